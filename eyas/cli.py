@@ -1,0 +1,183 @@
+"""`eyas`: one subcommand per stage, each taking a recipe plus `section.key=value` overrides.
+
+Each subcommand imports its stage lazily, so `eyas --help` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from eyas.configbase import ConfigError
+
+
+def _recipe(args):
+    from eyas.recipe import load_recipe
+
+    return load_recipe(args.recipe, args.overrides)
+
+
+def _add_recipe(p: argparse.ArgumentParser, required: bool = True) -> None:
+    p.add_argument("recipe", help="recipe YAML path or the name of a shipped recipe")
+    p.add_argument("overrides", nargs="*", help="section.key=value overrides (YAML values)")
+
+
+def cmd_prepare(args):
+    from eyas.data.prepare import run_prepare
+
+    print(run_prepare(_recipe(args)))
+
+
+def cmd_vocab(args):
+    from eyas.data.vocab import run_vocab
+
+    print(run_vocab(_recipe(args)))
+
+
+def cmd_collect(args):
+    from eyas.data.collect import run_collect
+
+    print(run_collect(_recipe(args)))
+
+
+def cmd_train(args):
+    from eyas.train.loop import run_train
+
+    print(run_train(_recipe(args)))
+
+
+def cmd_bench(args):
+    from eyas.eval.bench import run_bench
+
+    print(run_bench(_recipe(args), head_dir=args.head, prompts=args.prompts))
+
+
+def cmd_gate(args):
+    from eyas.eval.gate import run_gate
+
+    return run_gate(args.report, recipe=args.recipe, min_alpha=args.min_alpha, min_speedup=args.min_speedup,
+                    max_itl_p99_regression=args.max_itl_p99_regression, weights=args.weights)
+
+
+def cmd_export(args):
+    from eyas.heads.export import export_head
+
+    for fmt in args.format:
+        out = args.out if len(args.format) == 1 else f"{args.out}/{fmt}"
+        print(export_head(args.head, fmt, out, report=args.report, dtype=args.dtype,
+                          num_speculative_tokens=args.num_speculative_tokens, verifier=args.verifier))
+
+
+def cmd_push(args):
+    from eyas.eval.hub import push
+
+    return push(args.export_dir, repo_id=args.repo_id, report=args.report, dry_run=args.dry_run,
+                force=args.force, private=args.private)
+
+
+def cmd_run(args):
+    from eyas.run import run_all
+
+    return run_all(_recipe(args), stages=args.stages)
+
+
+def cmd_recipe(args):
+    from eyas.recipe import dump_recipe, list_recipes, load_recipe
+
+    if args.action == "list":
+        print("\n".join(list_recipes()))
+    elif args.action == "show":
+        print(dump_recipe(load_recipe(args.name, args.overrides)), end="")
+    else:
+        from eyas.run import new_recipe
+
+        print(new_recipe(args.name, args.out))
+
+
+def cmd_target(args):
+    from eyas.data.targets import prepare_packaged_target, resolve_target
+
+    if args.action == "prepare":
+        print(prepare_packaged_target(args.name, force=args.force))
+    else:
+        print(resolve_target(args.name, verify=True))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="eyas", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    for name, fn, help_ in [
+        ("prepare", cmd_prepare, "load corpora, render chat templates with assistant-only masks, split"),
+        ("vocab", cmd_vocab, "build the trimmed draft vocabulary (d2t/t2d) and its coverage report"),
+        ("collect", cmd_collect, "store the target's hidden states as shards (offline mode)"),
+        ("train", cmd_train, "train the head with training-time test (single process; see accelerate launch)"),
+        ("run", cmd_run, "every stage of a recipe, skipping those whose output is valid"),
+    ]:
+        p = sub.add_parser(name, help=help_)
+        _add_recipe(p)
+        p.set_defaults(fn=fn)
+        if name == "run":
+            p.add_argument("--stages", default=None, help="comma-separated subset, e.g. prepare,vocab")
+
+    p = sub.add_parser("bench", help="speculative vs plain decoding, side by side: alpha, tau, speedup")
+    _add_recipe(p)
+    p.add_argument("--head", default=None, help="head directory (default: the recipe's best head)")
+    p.add_argument("--prompts", default=None, help="JSONL prompts file (default: held-out prompts)")
+    p.set_defaults(fn=cmd_bench)
+
+    p = sub.add_parser("gate", help="fail (exit 1) when a bench report misses the release thresholds")
+    p.add_argument("report", help="bench report.json")
+    p.add_argument("--recipe", default=None, help="take thresholds from this recipe's gate section")
+    p.add_argument("--min-alpha", type=float, default=None)
+    p.add_argument("--min-speedup", type=float, default=None)
+    p.add_argument("--max-itl-p99-regression", type=float, default=None)
+    p.add_argument("--weights", default=None, help="category traffic weights, e.g. chat=0.7,code=0.3")
+    p.set_defaults(fn=cmd_gate)
+
+    p = sub.add_parser("export", help="write a head for SGLang/vLLM or speculators")
+    p.add_argument("head", help="native head directory")
+    p.add_argument("--format", action="append", required=True, choices=["sglang", "vllm", "speculators"])
+    p.add_argument("--out", required=True)
+    p.add_argument("--report", default=None, help="bench report whose best settings go into the snippets")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--num-speculative-tokens", type=int, default=None)
+    p.add_argument("--verifier", default=None, help="target path or Hub id written as the verifier")
+    p.set_defaults(fn=cmd_export)
+
+    p = sub.add_parser("push", help="upload an export to the Hub with a model card (needs a passing gate)")
+    p.add_argument("export_dir")
+    p.add_argument("--repo-id", required=True)
+    p.add_argument("--report", default=None, help="bench report (default: the one recorded in the export)")
+    p.add_argument("--dry-run", action="store_true", help="print the file list and card, no network")
+    p.add_argument("--force", action="store_true", help="push without a passing gate (recorded in the card)")
+    p.add_argument("--private", action="store_true")
+    p.set_defaults(fn=cmd_push)
+
+    p = sub.add_parser("recipe", help="list, show (resolved) or write a new recipe")
+    p.add_argument("action", choices=["list", "show", "new"])
+    p.add_argument("name", nargs="?", default=None, help="recipe name/path (show) or target directory (new)")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--out", default=None, help="where `new` writes the recipe")
+    p.set_defaults(fn=cmd_recipe)
+
+    p = sub.add_parser("target", help="prepare or verify a packaged default target")
+    p.add_argument("action", choices=["prepare", "verify"])
+    p.add_argument("name")
+    p.add_argument("--force", action="store_true")
+    p.set_defaults(fn=cmd_target)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        code = args.fn(args)
+    except (ConfigError, FileNotFoundError, ValueError) as exc:
+        print(f"eyas {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    return int(code or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

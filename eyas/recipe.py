@@ -1,0 +1,118 @@
+"""A recipe is one YAML file; this module assembles each stage's own config section from it.
+
+    eyas train recipes/smollm2-135m-cpu.yaml train.lr=3e-4 data.max_length=256
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from eyas.configbase import ConfigError, _closest, from_dict, to_dict
+from eyas.data.config import CollectConfig, DataConfig, TargetConfig, VocabConfig
+from eyas.eval.config import BenchConfig, GateConfig, PushConfig
+from eyas.heads.config import ExportConfig, HeadConfig
+from eyas.train.config import TrainConfig
+
+
+@dataclass
+class Recipe:
+    name: str = "recipe"
+    description: str = ""
+    # Every stage writes under output_dir: data/, vocab/, features/, head/, bench/, export/.
+    output_dir: str = "runs/recipe"
+    seed: int = 0
+    target: TargetConfig = field(default_factory=TargetConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    vocab: VocabConfig = field(default_factory=VocabConfig)
+    collect: CollectConfig = field(default_factory=CollectConfig)
+    head: HeadConfig = field(default_factory=HeadConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)
+    gate: GateConfig = field(default_factory=GateConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    push: PushConfig = field(default_factory=PushConfig)
+    # Path of the accelerate config that suits this recipe (documentation for `accelerate launch`).
+    accelerate_config: str | None = None
+
+    # ---- where each stage writes -------------------------------------------------------------
+    @property
+    def out(self) -> Path:
+        return Path(self.output_dir)
+
+    def stage_dir(self, stage: str) -> Path:
+        return self.out / stage
+
+    def to_dict(self) -> dict:
+        return to_dict(self)
+
+    def section_hash(self, *sections: str) -> str:
+        """Content hash of some sections, so a stage is redone when its inputs change."""
+        blob = json.dumps({s: to_dict(getattr(self, s)) if dataclasses.is_dataclass(getattr(self, s))
+                           else getattr(self, s) for s in sections}, sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def recipes_dir() -> Path:
+    return Path(str(resources.files("eyas.recipes")))
+
+
+def list_recipes() -> list[str]:
+    return sorted(p.stem for p in recipes_dir().glob("*.yaml"))
+
+
+def find_recipe(name_or_path: str) -> Path:
+    path = Path(name_or_path)
+    if path.exists():
+        return path
+    for candidate in (recipes_dir() / f"{name_or_path}.yaml", recipes_dir() / name_or_path):
+        if candidate.exists():
+            return candidate
+    raise ConfigError(
+        f"no recipe file or named recipe '{name_or_path}'{_closest(name_or_path, list_recipes())}"
+    )
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise ConfigError(f"override '{text}' is not of the form section.key=value")
+    key, raw = text.split("=", 1)
+    return key.strip().split("."), yaml.safe_load(raw) if raw != "" else None
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    for text in overrides:
+        keys, value = parse_override(text)
+        node = raw
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override '{text}': '{k}' is not a section")
+        node[keys[-1]] = value
+    return raw
+
+
+def load_recipe(name_or_path: str | None = None, overrides: list[str] | None = None) -> Recipe:
+    raw: dict = {}
+    if name_or_path:
+        path = find_recipe(name_or_path)
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: a recipe is a mapping of sections, got {type(raw).__name__}")
+        raw.setdefault("name", path.stem)
+    raw = apply_overrides(raw, list(overrides or []))
+    return from_dict(Recipe, raw)
+
+
+def dump_recipe(recipe: Recipe) -> str:
+    return yaml.safe_dump(recipe.to_dict(), sort_keys=False)

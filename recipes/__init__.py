@@ -1,0 +1,1 @@
+"""Ready recipes (YAML) and the accelerate configs beside them."""

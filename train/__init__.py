@@ -1,0 +1,1 @@
+"""Training stage: training-time test loss and the accelerate loop."""
