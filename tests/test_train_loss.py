@@ -1,0 +1,107 @@
+"""The TTT loss: the fast version equals the by-hand reference, and the shift is the right one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eyas.train.loss import Teacher, step_valid, summarise, ttt_loss, ttt_loss_reference
+from test_train_fixtures import draft_vocab_from, tiny_batch, tiny_head, tiny_ids, tiny_target
+
+
+@pytest.fixture(scope="module")
+def parts():
+    model = tiny_target()
+    d2t, t2d = draft_vocab_from(model, tiny_ids(model), size=8)
+    head = tiny_head(model, d2t, t2d)
+    batch, teacher = tiny_batch(model, d2t, t2d)
+    return model, head, batch, teacher
+
+
+def assert_same(fast, ref):
+    torch.testing.assert_close(fast.step_losses, ref.step_losses, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fast.loss.detach(), ref.loss.detach(), atol=1e-5, rtol=1e-5)
+    assert fast.step_count.tolist() == ref.step_count.tolist()
+    assert fast.step_correct.tolist() == ref.step_correct.tolist()
+    assert (int(fast.accepted), int(fast.positions)) == (int(ref.accepted), int(ref.positions))
+
+
+def test_fast_equals_reference_dense(parts):
+    model, head, batch, teacher = parts
+    w = model.get_input_embeddings().weight
+    fast = ttt_loss(head, w, batch, teacher, ttt_steps=4)
+    ref = ttt_loss_reference(head, w, batch, teacher, ttt_steps=4)
+    assert_same(fast, ref)
+    # The comparison has teeth: positions were dropped by the mask, some argmaxes hit, tau_sim has positions.
+    assert 0 < fast.step_count[0] < batch["input_ids"].numel() - 2
+    assert fast.step_correct.sum() > 0 and fast.positions > 0
+
+
+def test_fast_equals_reference_gradients(parts):
+    model, head, batch, teacher = parts
+    w = model.get_input_embeddings().weight
+    grads = []
+    for fn in (ttt_loss, ttt_loss_reference):
+        head.zero_grad()
+        fn(head, w, batch, teacher, ttt_steps=3).loss.backward()
+        grads.append({n: p.grad.clone() for n, p in head.named_parameters()})
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_fast_equals_reference_sparse_topk(parts):
+    model, head, batch, teacher = parts
+    top_logits, top_ids = teacher.logits.topk(3, dim=-1)
+    sparse = Teacher(top_logits, top_ids)
+    w = model.get_input_embeddings().weight
+    assert_same(ttt_loss(head, w, batch, sparse, ttt_steps=3), ttt_loss_reference(head, w, batch, sparse, ttt_steps=3))
+
+
+def test_unshifted_loss_mask_is_detected(parts):
+    """The known bug elsewhere: the loss mask read at t+k+1 instead of t+k+2. The reference with it must differ."""
+    model, head, batch, teacher = parts
+    w = model.get_input_embeddings().weight
+    fast = ttt_loss(head, w, batch, teacher, ttt_steps=3)
+    buggy = ttt_loss_reference(head, w, batch, teacher, ttt_steps=3, target_shift=1)
+    assert fast.step_count.tolist() != buggy.step_count.tolist()
+    assert not torch.allclose(fast.step_losses, buggy.step_losses, atol=1e-4)
+
+
+def test_step_valid_reads_mask_two_ahead_and_teacher_one_ahead():
+    seq = 10
+    batch = {"loss_mask": torch.zeros(1, seq, dtype=torch.long), "attention_mask": torch.ones(1, seq, dtype=torch.bool),
+             "target_in_draft": torch.ones(1, seq, dtype=torch.bool)}
+    batch["loss_mask"][0, 7] = 1
+    for k in range(3):  # token 7 is predicted from position 7-k-2 at step k
+        assert step_valid(batch, k)[0].nonzero().flatten().tolist() == [7 - k - 2]
+    batch["target_in_draft"][0, 5] = False  # the teacher at 5 predicts token 6, which is not trained anyway
+    assert all(step_valid(batch, k).any() for k in range(3))
+    batch["target_in_draft"][0, 6] = False  # token 7's teacher (position 6) is outside the draft vocab
+    assert not any(step_valid(batch, k).any() for k in range(3))
+    batch["target_in_draft"][0, 6] = True
+    batch["attention_mask"][0, 7] = False  # padding never trains
+    assert not any(step_valid(batch, k).any() for k in range(3))
+
+
+def test_perfect_draft_has_full_acceptance(parts):
+    """A teacher equal to the head's own step logits makes every step correct: tau_sim = 1 + K."""
+    model, head, batch, _ = parts
+    w = model.get_input_embeddings().weight
+    k_steps = 3
+    # A zero final-norm weight makes every draft logit 0; argmax then returns the first id (documented).
+    with torch.no_grad():
+        saved = head.norm.weight.clone()
+        head.norm.weight.zero_()
+    try:
+        teacher_logits = torch.zeros(*batch["input_ids"].shape, 8)
+        teacher_logits[..., 0] = 5.0
+        out = ttt_loss(head, w, batch, Teacher(teacher_logits), ttt_steps=k_steps)
+        stats = summarise(out.counters(), k_steps)
+        assert stats["step_acc"] == [1.0] * k_steps
+        assert stats["tau_sim"] == 1.0 + k_steps
+        teacher_logits[..., 0] = -5.0  # now the first step always misses: tau_sim = 1
+        out = ttt_loss(head, w, batch, Teacher(teacher_logits), ttt_steps=k_steps)
+        assert summarise(out.counters(), k_steps)["tau_sim"] == 1.0
+    finally:
+        with torch.no_grad():
+            head.norm.weight.copy_(saved)

@@ -1,0 +1,238 @@
+"""Training-time test (TTT): the EAGLE-3 loss over several drafting steps.
+
+Shift, exactly (see shared/reference/eagle3-serving-format.md): at TTT step k, position t reads
+  hidden  fc(aux_t) at step 0, else the head's own output hidden at position t from step k-1,
+  embed   token t+k+1,   RoPE position t+k,
+and predicts token t+k+2, whose target distribution is the teacher at position t+k+1. It counts iff
+t+k+2 < T, attention_mask[t+k+2], loss_mask[t+k+2] == 1 and target_in_draft[t+k+1].
+Attention at step k: the query at t sees step-0 keys at positions <= t plus the key at position t of
+every step 1..k (as in the EAGLE-3 paper and SpecForge).
+
+`ttt_loss` is the fast version (one batched score matrix per step plus per-step diagonal scores);
+`ttt_loss_reference` builds every query's key set by hand and exists to check it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from eyas.heads.eagle3 import Eagle3Head, embed
+
+MASKED = torch.finfo(torch.float32).min
+
+
+@dataclass
+class Teacher:
+    """The target's next-token distribution over the draft vocab: dense logits or a sparse top-k."""
+
+    logits: torch.Tensor  # [B,T,Vd] dense, or [B,T,k] with ids
+    ids: torch.Tensor | None = None  # [B,T,k] draft ids of the top-k logits
+
+    def rows(self, b: torch.Tensor, t: torch.Tensor):
+        """(probs, ids or None, argmax draft id) at the given positions; probs renormalised in fp32."""
+        logits = self.logits[b, t].float()
+        probs = logits.softmax(-1)
+        if self.ids is None:
+            return probs, None, logits.argmax(-1)
+        ids = self.ids[b, t]
+        return probs, ids, ids.gather(-1, logits.argmax(-1, keepdim=True)).squeeze(-1)
+
+
+@dataclass
+class TTTResult:
+    loss: torch.Tensor  # weighted sum of the per-step mean losses (with grad)
+    step_losses: torch.Tensor  # [K] mean loss per step (detached, fp32)
+    step_correct: torch.Tensor  # [K] positions where draft argmax == target argmax
+    step_count: torch.Tensor  # [K] valid positions per step
+    accepted: torch.Tensor  # leading-correct steps summed over positions valid at every step
+    positions: torch.Tensor  # number of positions valid at every step
+
+    def counters(self) -> torch.Tensor:
+        """Everything a validation pass sums across batches and ranks, as one fp64 vector (see `summarise`)."""
+        return torch.cat([self.step_losses.double() * self.step_count.double(), self.step_correct.double(),
+                          self.step_count.double(), torch.stack([self.accepted, self.positions]).double()])
+
+
+def summarise(counters: torch.Tensor, ttt_steps: int) -> dict:
+    """Pooled per-step loss, top-1 accuracy and the simulated acceptance length tau_sim from summed counters."""
+    k = ttt_steps
+    loss_sum, correct, count = counters[:k], counters[k:2 * k], counters[2 * k:3 * k]
+    accepted, positions = counters[3 * k].item(), counters[3 * k + 1].item()
+    per = count.clamp(min=1)
+    return {
+        "step_loss": (loss_sum / per).tolist(),
+        "step_acc": (correct / per).tolist(),
+        "step_count": count.long().tolist(),
+        "tau_sim": 1.0 + accepted / max(positions, 1),
+        "tau_positions": int(positions),
+    }
+
+
+def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
+    """x[:, t+n] at t, `fill` past the end."""
+    if n == 0:
+        return x
+    pad = torch.full_like(x[:, :n], fill)
+    return torch.cat([x[:, n:], pad], dim=1)[:, : x.shape[1]]
+
+
+def step_valid(batch: dict, k: int) -> torch.Tensor:
+    """Bool [B,T]: position t is trained at TTT step k (see the module docstring for the shift)."""
+    target_pos = shift_left(batch["loss_mask"].bool() & batch["attention_mask"].bool(), k + 2, False)
+    return target_pos & shift_left(batch["target_in_draft"].bool(), k + 1, False)
+
+
+def soft_cross_entropy(draft_logits: torch.Tensor, probs: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
+    """Per-row cross-entropy of the draft distribution against the teacher's (dense or top-k) probs."""
+    logp = draft_logits.float().log_softmax(-1)
+    if ids is not None:
+        logp = logp.gather(-1, ids)
+    return -(probs * logp).sum(-1)
+
+
+def ttt_attention(head: Eagle3Head, q, keys0, values0, step_keys, step_values, causal) -> torch.Tensor:
+    """Step-k attention: causal scores against step-0 keys plus one diagonal score per later step.
+
+    q [B,nh,T,hd]; keys0/values0 and each of step_keys/step_values [B,nkv,T,hd]; causal Bool [B,1,T,T].
+    One softmax in fp32 over [step-0 keys | same-position keys of steps 1..k].
+    """
+    scale = head.config.head_dim ** -0.5
+    keys0, values0 = head.repeat_kv(keys0), head.repeat_kv(values0)
+    scores = (q @ keys0.transpose(-1, -2)).float() * scale
+    scores = scores.masked_fill(~causal, MASKED)
+    diag = [(q.float() * head.repeat_kv(kj).float()).sum(-1, keepdim=True) * scale for kj in step_keys]
+    probs = torch.cat([scores, *diag], dim=-1).softmax(-1)
+    t = q.shape[2]
+    out = probs[..., :t].to(values0.dtype) @ values0
+    for j, vj in enumerate(step_values):
+        out = out + probs[..., t + j: t + j + 1].to(vj.dtype) * head.repeat_kv(vj)
+    return out
+
+
+def ttt_loss(head: Eagle3Head, embed_weight: torch.Tensor, batch: dict, teacher: Teacher,
+             ttt_steps: int = 7, step_weight_decay: float = 0.8) -> TTTResult:
+    """The TTT loss of one batch (keys: input_ids, loss_mask, attention_mask, aux, target_in_draft)."""
+    ids, attn = batch["input_ids"], batch["attention_mask"].bool()
+    bsz, seq = ids.shape
+    device = ids.device
+    positions = torch.arange(seq, device=device).expand(bsz, seq)
+    causal = (torch.ones(seq, seq, dtype=torch.bool, device=device).tril()[None] & attn[:, None, :])[:, None]
+
+    hidden = head.fuse(batch["aux"])
+    keys0 = values0 = None
+    step_keys, step_values = [], []
+    losses, correct, counts = [], [], []
+    hits, valids = [], []
+    for k in range(ttt_steps):
+        q, key, value, residual = head.qkv(hidden, embed(embed_weight, shift_left(ids, k + 1)), positions + k)
+        if k == 0:
+            keys0, values0 = key, value
+        else:
+            step_keys.append(key)
+            step_values.append(value)
+        hidden = head.finish(ttt_attention(head, q, keys0, values0, step_keys, step_values, causal), residual)
+
+        # Logits only where the step is trained: the lm_head is the largest matmul of the head.
+        valid = step_valid(batch, k)
+        b, t = valid.nonzero(as_tuple=True)
+        draft_logits = head.logits(hidden[b, t])
+        probs, top_ids, target_argmax = teacher.rows(b, t + k + 1)
+        ce = soft_cross_entropy(draft_logits, probs, top_ids)
+        losses.append(ce.sum() / max(ce.numel(), 1))
+        hit = draft_logits.argmax(-1) == target_argmax
+        correct.append(hit.sum())
+        counts.append(torch.tensor(ce.numel(), device=device))
+
+        hit_map = torch.zeros(bsz, seq, dtype=torch.bool, device=device)
+        hit_map[b, t] = hit
+        hits.append(hit_map)
+        valids.append(valid)
+
+    step_losses = torch.stack(losses)
+    weights = step_weight_decay ** torch.arange(ttt_steps, device=device, dtype=torch.float32)
+    accepted, n_positions = acceptance(torch.stack(hits), torch.stack(valids))
+    return TTTResult(
+        loss=(weights * step_losses).sum(),
+        step_losses=step_losses.detach().float(),
+        step_correct=torch.stack(correct),
+        step_count=torch.stack(counts),
+        accepted=accepted,
+        positions=n_positions,
+    )
+
+
+def acceptance(hits: torch.Tensor, valids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(leading-correct steps summed, positions) over positions valid at every step; hits/valids Bool [K,B,T]."""
+    full = valids.all(0)
+    leading = hits.long().cumprod(0).sum(0)
+    return (leading * full).sum(), full.sum()
+
+
+def ttt_loss_reference(head: Eagle3Head, embed_weight: torch.Tensor, batch: dict, teacher: Teacher,
+                       ttt_steps: int = 7, step_weight_decay: float = 0.8, target_shift: int = 2) -> TTTResult:
+    """Slow, obviously-correct TTT: one sequence, one step, one position at a time, key sets built by hand.
+
+    `target_shift` is the distance from the position to the token it predicts at step 0 (2 is right; tests
+    pass 1 to show that the known bug, an unshifted loss mask, is caught).
+    """
+    ids, loss_mask = batch["input_ids"], batch["loss_mask"]
+    attn, in_draft = batch["attention_mask"].bool(), batch["target_in_draft"].bool()
+    bsz, seq = ids.shape
+    scale = head.config.head_dim ** -0.5
+    loss_terms = [[] for _ in range(ttt_steps)]
+    correct = [0] * ttt_steps
+    count = [0] * ttt_steps
+    accepted = positions = 0
+    for b in range(bsz):
+        hidden = [head.fuse(batch["aux"][b, t][None, None]) for t in range(seq)]  # each [1,1,H]
+        keys = {}  # (step, position) -> (k [1,nh,1,hd], v)
+        hit = {}  # (step, position) -> draft argmax == target argmax
+        for k in range(ttt_steps):
+            queries = {}
+            for t in range(seq):
+                token = ids[b, t + k + 1] if t + k + 1 < seq else torch.zeros((), dtype=ids.dtype)
+                pos = torch.tensor([[t + k]], device=ids.device)
+                q, kk, vv, residual = head.qkv(hidden[t], embed(embed_weight, token.view(1, 1)), pos)
+                queries[t] = (q, residual)
+                keys[(k, t)] = (head.repeat_kv(kk), head.repeat_kv(vv))
+            new_hidden = []
+            for t in range(seq):
+                q, residual = queries[t]
+                key_set = [keys[(0, s)] for s in range(t + 1) if attn[b, s]]
+                key_set += [keys[(j, t)] for j in range(1, k + 1)]
+                scores = torch.stack([(q.float() * kv[0].float()).sum(-1) * scale for kv in key_set], dim=-1)
+                weights = scores.softmax(-1)  # [1,nh,1,n_keys]
+                out = sum(weights[..., i, None] * kv[1].float() for i, kv in enumerate(key_set)).to(q.dtype)
+                h = head.finish(out, residual)
+                new_hidden.append(h)
+                target = t + k + target_shift
+                if not (target < seq and attn[b, target] and loss_mask[b, target] == 1 and in_draft[b, target - 1]):
+                    continue
+                draft_logits = head.logits(h)[0, 0]
+                probs, top_ids, target_argmax = teacher.rows(torch.tensor([b]), torch.tensor([target - 1]))
+                ce = soft_cross_entropy(draft_logits[None], probs, top_ids)[0]
+                loss_terms[k].append(ce)
+                count[k] += 1
+                hit[(k, t)] = bool(draft_logits.argmax() == target_argmax[0])
+                correct[k] += hit[(k, t)]
+            hidden = new_hidden
+        for t in range(seq):
+            if all((k, t) in hit for k in range(ttt_steps)):
+                positions += 1
+                for k in range(ttt_steps):
+                    if not hit[(k, t)]:
+                        break
+                    accepted += 1
+    step_losses = torch.stack([torch.stack(terms).mean() if terms else torch.zeros(()) for terms in loss_terms])
+    weights = torch.tensor([step_weight_decay ** k for k in range(ttt_steps)])
+    return TTTResult(
+        loss=(weights * step_losses).sum(),
+        step_losses=step_losses.detach().float(),
+        step_correct=torch.tensor(correct),
+        step_count=torch.tensor(count),
+        accepted=torch.tensor(accepted),
+        positions=torch.tensor(positions),
+    )
