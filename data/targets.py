@@ -245,12 +245,12 @@ def capture_aux_hidden(model, layer_ids: list[int]) -> Iterator[list]:
         def hook(module, args, kwargs):
             hidden = args[0] if args else kwargs["hidden_states"]
             captured[idx] = hidden
-            if len(captured) == len(layer_ids):
+            if len(captured) == len(set(layer_ids)):  # ids may repeat in shallow targets
                 out[:] = [captured[i] for i in layer_ids]
                 captured.clear()
         return hook
 
-    handles = [layers[i].register_forward_pre_hook(make_hook(i), with_kwargs=True) for i in layer_ids]
+    handles = [layers[i].register_forward_pre_hook(make_hook(i), with_kwargs=True) for i in set(layer_ids)]
     try:
         yield out
     finally:
