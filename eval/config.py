@@ -31,6 +31,10 @@ class BenchConfig:
     decoder: DecoderConfig = field(default_factory=DecoderConfig)
     # Also time transformers generate() greedy and with prompt lookup decoding.
     compare_hf: bool = True
+    # Draft length of transformers' prompt lookup decoding in the comparison (its documented default is 10).
+    prompt_lookup_num_tokens: int = 10
+    # Chain length at which alpha is measured; null: export.num_speculative_tokens, else decoder.num_speculative_tokens.
+    alpha_chain_length: int | None = None
     autotune: bool = False
     seed: int = 0
 

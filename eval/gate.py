@@ -1,0 +1,212 @@
+"""`eyas gate`: pass or fail a bench report against release thresholds; `eyas push` trusts only a pass.
+
+Checks (a threshold left unset is skipped): alpha >= min_alpha, speedup >= min_speedup, p99 inter-token
+latency regression (spec p99 ITL / plain p99 ITL - 1) <= max_itl_p99_regression, and, where the report
+says exactness is expected (fp32 greedy), lossless output. Figures are pooled over all prompts, or blended
+over categories with traffic weights (every weighted category must be in the report), or checked in every
+category (`gate.per_category`). The verdict goes to gate.json beside the report, tied to the head's content
+hash and to the report's own hash, so a later edit of either voids it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from eyas.data.packages import sha256_file
+from eyas.eval.config import GateConfig
+from eyas.eval.report import write_json_atomic
+
+GATE_FILE = "gate.json"
+
+
+class GateError(ValueError):
+    """A report or a weights string the gate cannot judge."""
+
+
+@dataclass
+class Check:
+    name: str  # alpha | speedup | itl_p99_regression | lossless | category
+    scope: str  # pooled | blended | <category>
+    value: float | bool | None
+    threshold: str
+    passed: bool
+
+
+def parse_weights(weights: str | dict | None) -> dict[str, float]:
+    """"chat=0.7,code=0.3" or {"chat": 0.7, "code": 0.3} -> {category: weight}; weights need not sum to 1."""
+    if not weights:
+        return {}
+    if isinstance(weights, str):
+        pairs = {}
+        for item in weights.split(","):
+            if not item.strip():
+                continue
+            name, sep, raw = item.partition("=")
+            if not sep or not name.strip():
+                raise GateError(f"weights: '{item.strip()}' is not category=weight (e.g. chat=0.7,code=0.3)")
+            try:
+                pairs[name.strip()] = float(raw)
+            except ValueError:
+                raise GateError(f"weights: '{raw.strip()}' for category '{name.strip()}' is not a number") from None
+        weights = pairs
+    out = {}
+    for name, w in dict(weights).items():
+        if not isinstance(w, (int, float)) or isinstance(w, bool) or w < 0:
+            raise GateError(f"weights: category '{name}' has weight {w!r}; weights are numbers >= 0")
+        out[str(name)] = float(w)
+    if out and sum(out.values()) <= 0:
+        raise GateError(f"weights: {out} sum to 0")
+    return out
+
+
+def resolve_thresholds(recipe=None, min_alpha=None, min_speedup=None, max_itl_p99_regression=None,
+                       weights=None) -> GateConfig:
+    """The recipe's gate section (a Recipe, a recipe name/path, or a GateConfig) with the flags given on top."""
+    if recipe is None:
+        base = GateConfig()
+    elif isinstance(recipe, GateConfig):
+        base = recipe
+    elif hasattr(recipe, "gate"):
+        base = recipe.gate
+    else:
+        from eyas.recipe import load_recipe  # the recipe schema lives on top; only a path needs it
+
+        base = load_recipe(str(recipe)).gate
+    flags = {"min_alpha": min_alpha, "min_speedup": min_speedup, "max_itl_p99_regression": max_itl_p99_regression}
+    gate = dataclasses.replace(base, **{k: v for k, v in flags.items() if v is not None})
+    return dataclasses.replace(gate, weights=parse_weights(weights if weights is not None else gate.weights))
+
+
+def blend(report: dict, weights: dict[str, float]) -> dict:
+    """Figures for a traffic mix of categories.
+
+    weights are shares of generated tokens: speedup = baseline time per token / spec time per token over
+    the mix; alpha and the ITL regression are weighted means. Uses only the weighted categories present.
+    """
+    cats = report.get("by_category") or {}
+    present = {c: w for c, w in weights.items() if c in cats and w > 0}
+    if not present:
+        return {"alpha": None, "speedup": None, "itl_p99_regression": None}
+
+    def mean(key):
+        values = [(w, cats[c].get(key)) for c, w in present.items()]
+        if any(v is None for _, v in values):
+            return None
+        return sum(w * v for w, v in values) / sum(w for w, _ in values)
+
+    base_time = spec_time = 0.0
+    for c, w in present.items():
+        base_tps, speedup = cats[c].get("baseline_tokens_per_s"), cats[c].get("speedup")
+        if not base_tps or not speedup:
+            base_time = None
+            break
+        base_time += w / base_tps
+        spec_time += w / (base_tps * speedup)
+    return {"alpha": mean("alpha"), "itl_p99_regression": mean("itl_p99_regression"),
+            "speedup": base_time / spec_time if base_time else None}
+
+
+def threshold_checks(figures: dict, scope: str, gate: GateConfig) -> list[Check]:
+    rules = [("alpha", gate.min_alpha, ">="), ("speedup", gate.min_speedup, ">="),
+             ("itl_p99_regression", gate.max_itl_p99_regression, "<=")]
+    checks = []
+    for name, limit, op in rules:
+        if limit is None:
+            continue
+        value = figures.get(name)
+        passed = value is not None and (value >= limit if op == ">=" else value <= limit)
+        checks.append(Check(name, scope, value, f"{op} {limit:g}", passed))
+    return checks
+
+
+def evaluate(report: dict, gate: GateConfig) -> list[Check]:
+    for key in ("alpha", "speedup", "by_category", "head"):
+        if key not in report:
+            raise GateError(f"report has no '{key}' field; is it a report.json written by `eyas bench`?")
+    checks: list[Check] = []
+    if gate.weights:
+        for category in sorted(gate.weights):
+            present = category in report["by_category"]
+            checks.append(Check("category", category, "present" if present else "missing",
+                                "measured in the report", present))
+        checks += threshold_checks(blend(report, gate.weights), "blended", gate)
+    else:
+        checks += threshold_checks(report, "pooled", gate)
+    if gate.per_category:
+        for category, figures in sorted(report["by_category"].items()):
+            checks += threshold_checks(figures, category, gate)
+    if report.get("lossless_exact_expected"):
+        checks.append(Check("lossless", "pooled", report.get("lossless"), "== True (fp32 greedy)",
+                            report.get("lossless") is True))
+    return checks
+
+
+def format_checks(checks: list[Check], report_path: Path, head_hash: str) -> str:
+    def show(v):
+        return "-" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
+
+    rows = [("check", "scope", "value", "threshold", "result")]
+    rows += [(c.name, c.scope, show(c.value), c.threshold, "PASS" if c.passed else "FAIL") for c in checks]
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    lines = [f"eyas gate: {report_path} (head sha256 {head_hash[:16]})"]
+    lines += ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
+    verdict = all(c.passed for c in checks)
+    lines.append(f"verdict: {'PASS' if verdict else 'FAIL'} ({sum(not c.passed for c in checks)} of {len(checks)} "
+                 "checks failed)")
+    return "\n".join(lines)
+
+
+def load_report(report_path: str | Path) -> dict:
+    path = Path(report_path)
+    if not path.is_file():
+        raise FileNotFoundError(f"bench report {path} does not exist (run `eyas bench <recipe>` first)")
+    try:
+        report = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise GateError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(report, dict):
+        raise GateError(f"{path}: expected a JSON object")
+    return report
+
+
+def run_gate(report_path, recipe=None, min_alpha=None, min_speedup=None, max_itl_p99_regression=None,
+             weights=None) -> int:
+    """Print a table of checks, write gate.json next to the report, and return 1 if any check failed."""
+    report_path = Path(report_path)
+    report = load_report(report_path)
+    gate = resolve_thresholds(recipe, min_alpha, min_speedup, max_itl_p99_regression, weights)
+    checks = evaluate(report, gate)
+    head_hash = report["head"].get("sha256", "")
+    passed = bool(checks) and all(c.passed for c in checks)
+    print(format_checks(checks, report_path, head_hash))
+    write_json_atomic(report_path.with_name(GATE_FILE), {
+        "passed": passed,
+        "head_sha256": head_hash,
+        "head_path": report["head"].get("path"),
+        "report": str(report_path.resolve()),
+        "report_sha256": sha256_file(report_path),
+        "thresholds": dataclasses.asdict(gate),
+        "checks": [dataclasses.asdict(c) for c in checks],
+        "created_unix": time.time(),
+    })
+    return 0 if passed else 1
+
+
+def gate_passed_for(head_hash: str, report_path) -> bool:
+    """True only if gate.json beside the report passed, for this exact head content and this exact report."""
+    report_path = Path(report_path)
+    gate_file = report_path.with_name(GATE_FILE)
+    try:
+        verdict = json.loads(gate_file.read_text())
+        report = json.loads(report_path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return (verdict.get("passed") is True
+            and bool(head_hash)
+            and verdict.get("head_sha256") == head_hash
+            and report.get("head", {}).get("sha256") == head_hash
+            and verdict.get("report_sha256") == sha256_file(report_path))
