@@ -7,7 +7,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from eyas.data.targets import logits_from_final_hidden, target_features
 from eyas.heads.eagle3 import Eagle3Config, build_head
-from eyas.train.loss import Teacher
+from eyas.train.loss import DenseTeacher
 
 AUX_IDS = [1, 2, 3]
 
@@ -57,4 +57,4 @@ def tiny_batch(model, d2t, t2d, batch: int = 3, seq: int = 16, pad: int = 3, see
     draft_rows = torch.arange(len(d2t)) + d2t
     out = {"input_ids": ids, "loss_mask": loss_mask, "attention_mask": attention, "aux": aux,
            "target_in_draft": t2d[full_logits.argmax(-1)]}
-    return out, Teacher(full_logits[..., draft_rows])
+    return out, DenseTeacher(full_logits[..., draft_rows])

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eyas.train.loss import Teacher, step_valid, summarise, ttt_loss, ttt_loss_reference
+from eyas.data.collect import Teacher
+from eyas.train.loss import BatchTeacher, DenseTeacher, step_valid, summarise, ttt_loss, ttt_loss_reference
 from test_train_fixtures import draft_vocab_from, tiny_batch, tiny_head, tiny_ids, tiny_target
 
 
@@ -52,7 +53,8 @@ def test_fast_equals_reference_gradients(parts):
 def test_fast_equals_reference_sparse_topk(parts):
     model, head, batch, teacher = parts
     top_logits, top_ids = teacher.logits.topk(3, dim=-1)
-    sparse = Teacher(top_logits, top_ids)
+    fields = {"teacher_topk_ids": top_ids, "teacher_topk_logits": top_logits}
+    sparse = BatchTeacher(Teacher(None, None, draft_vocab_size=8), fields)
     w = model.get_input_embeddings().weight
     assert_same(ttt_loss(head, w, batch, sparse, ttt_steps=3), ttt_loss_reference(head, w, batch, sparse, ttt_steps=3))
 
@@ -95,12 +97,12 @@ def test_perfect_draft_has_full_acceptance(parts):
     try:
         teacher_logits = torch.zeros(*batch["input_ids"].shape, 8)
         teacher_logits[..., 0] = 5.0
-        out = ttt_loss(head, w, batch, Teacher(teacher_logits), ttt_steps=k_steps)
+        out = ttt_loss(head, w, batch, DenseTeacher(teacher_logits), ttt_steps=k_steps)
         stats = summarise(out.counters(), k_steps)
         assert stats["step_acc"] == [1.0] * k_steps
         assert stats["tau_sim"] == 1.0 + k_steps
         teacher_logits[..., 0] = -5.0  # now the first step always misses: tau_sim = 1
-        out = ttt_loss(head, w, batch, Teacher(teacher_logits), ttt_steps=k_steps)
+        out = ttt_loss(head, w, batch, DenseTeacher(teacher_logits), ttt_steps=k_steps)
         assert summarise(out.counters(), k_steps)["tau_sim"] == 1.0
     finally:
         with torch.no_grad():

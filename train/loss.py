@@ -24,21 +24,33 @@ from eyas.heads.eagle3 import Eagle3Head, embed
 MASKED = torch.finfo(torch.float32).min
 
 
-@dataclass
-class Teacher:
-    """The target's next-token distribution over the draft vocab: dense logits or a sparse top-k."""
+TEACHER_FIELDS = ("teacher_hidden", "teacher_topk_ids", "teacher_topk_logits")
 
-    logits: torch.Tensor  # [B,T,Vd] dense, or [B,T,k] with ids
-    ids: torch.Tensor | None = None  # [B,T,k] draft ids of the top-k logits
 
-    def rows(self, b: torch.Tensor, t: torch.Tensor):
-        """(probs, ids or None, argmax draft id) at the given positions; probs renormalised in fp32."""
-        logits = self.logits[b, t].float()
-        probs = logits.softmax(-1)
-        if self.ids is None:
-            return probs, None, logits.argmax(-1)
-        ids = self.ids[b, t]
-        return probs, ids, ids.gather(-1, logits.argmax(-1, keepdim=True)).squeeze(-1)
+class DenseTeacher:
+    """Teacher logits over the draft vocab given directly as [B,T,Vd] (tests, and anything precomputed)."""
+
+    def __init__(self, logits: torch.Tensor):
+        self.logits = logits
+
+    def logits_at(self, b: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return self.logits[b, t].float()
+
+
+class BatchTeacher:
+    """The teacher of a collected batch (teacher_hidden or top-k fields), evaluated only where the loss needs it.
+
+    `teacher` is eyas.data.collect.Teacher: its draft_logits turns a batch's teacher fields into [B,T,Vd].
+    """
+
+    def __init__(self, teacher, batch: dict):
+        self.teacher = teacher
+        self.fields = {k: batch[k] for k in TEACHER_FIELDS if k in batch}
+        if not self.fields:
+            raise KeyError(f"batch has no teacher fields (expected one of {TEACHER_FIELDS}), has {sorted(batch)}")
+
+    def logits_at(self, b: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return self.teacher.draft_logits({k: v[b, t][None] for k, v in self.fields.items()})[0].float()
 
 
 @dataclass
@@ -85,12 +97,10 @@ def step_valid(batch: dict, k: int) -> torch.Tensor:
     return target_pos & shift_left(batch["target_in_draft"].bool(), k + 1, False)
 
 
-def soft_cross_entropy(draft_logits: torch.Tensor, probs: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
-    """Per-row cross-entropy of the draft distribution against the teacher's (dense or top-k) probs."""
+def soft_cross_entropy(draft_logits: torch.Tensor, teacher_probs: torch.Tensor) -> torch.Tensor:
+    """Per-row cross-entropy of the draft distribution against the teacher's (zero outside a top-k)."""
     logp = draft_logits.float().log_softmax(-1)
-    if ids is not None:
-        logp = logp.gather(-1, ids)
-    return -(probs * logp).sum(-1)
+    return -(teacher_probs * logp).sum(-1)
 
 
 def ttt_attention(head: Eagle3Head, q, keys0, values0, step_keys, step_values, causal) -> torch.Tensor:
@@ -112,9 +122,29 @@ def ttt_attention(head: Eagle3Head, q, keys0, values0, step_keys, step_values, c
     return out
 
 
-def ttt_loss(head: Eagle3Head, embed_weight: torch.Tensor, batch: dict, teacher: Teacher,
+def teacher_rows(teacher, valids: list[torch.Tensor]):
+    """Teacher probs and argmax at every position some step reads (t+k+1), once, plus a [B,T] row map."""
+    needed = torch.zeros_like(valids[0])
+    for k, valid in enumerate(valids):
+        needed |= shift_right(valid, k + 1)
+    b, t = needed.nonzero(as_tuple=True)
+    logits = teacher.logits_at(b, t)
+    row_of = torch.full(needed.shape, -1, dtype=torch.long, device=needed.device)
+    row_of[b, t] = torch.arange(b.numel(), device=needed.device)
+    return logits.softmax(-1), logits.argmax(-1), row_of
+
+
+def shift_right(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x[:, t-n] at t, False/0 before the start."""
+    return torch.cat([torch.zeros_like(x[:, :n]), x[:, : x.shape[1] - n]], dim=1)
+
+
+def ttt_loss(head: Eagle3Head, embed_weight: torch.Tensor, batch: dict, teacher,
              ttt_steps: int = 7, step_weight_decay: float = 0.8) -> TTTResult:
-    """The TTT loss of one batch (keys: input_ids, loss_mask, attention_mask, aux, target_in_draft)."""
+    """The TTT loss of one batch (keys: input_ids, loss_mask, attention_mask, aux, target_in_draft).
+
+    `teacher` has logits_at(b, t) -> [N, Vd]: the target's logits over the draft vocab at those positions.
+    """
     ids, attn = batch["input_ids"], batch["attention_mask"].bool()
     bsz, seq = ids.shape
     device = ids.device
@@ -125,7 +155,9 @@ def ttt_loss(head: Eagle3Head, embed_weight: torch.Tensor, batch: dict, teacher:
     keys0 = values0 = None
     step_keys, step_values = [], []
     losses, correct, counts = [], [], []
-    hits, valids = [], []
+    valids = [step_valid(batch, k) for k in range(ttt_steps)]
+    probs_all, argmax_all, row_of = teacher_rows(teacher, valids)
+    hits = []
     for k in range(ttt_steps):
         q, key, value, residual = head.qkv(hidden, embed(embed_weight, shift_left(ids, k + 1)), positions + k)
         if k == 0:
@@ -136,11 +168,11 @@ def ttt_loss(head: Eagle3Head, embed_weight: torch.Tensor, batch: dict, teacher:
         hidden = head.finish(ttt_attention(head, q, keys0, values0, step_keys, step_values, causal), residual)
 
         # Logits only where the step is trained: the lm_head is the largest matmul of the head.
-        valid = step_valid(batch, k)
-        b, t = valid.nonzero(as_tuple=True)
+        b, t = valids[k].nonzero(as_tuple=True)
         draft_logits = head.logits(hidden[b, t])
-        probs, top_ids, target_argmax = teacher.rows(b, t + k + 1)
-        ce = soft_cross_entropy(draft_logits, probs, top_ids)
+        rows = row_of[b, t + k + 1]
+        target_argmax = argmax_all[rows]
+        ce = soft_cross_entropy(draft_logits, probs_all[rows])
         losses.append(ce.sum() / max(ce.numel(), 1))
         hit = draft_logits.argmax(-1) == target_argmax
         correct.append(hit.sum())
@@ -149,7 +181,6 @@ def ttt_loss(head: Eagle3Head, embed_weight: torch.Tensor, batch: dict, teacher:
         hit_map = torch.zeros(bsz, seq, dtype=torch.bool, device=device)
         hit_map[b, t] = hit
         hits.append(hit_map)
-        valids.append(valid)
 
     step_losses = torch.stack(losses)
     weights = step_weight_decay ** torch.arange(ttt_steps, device=device, dtype=torch.float32)
@@ -171,7 +202,7 @@ def acceptance(hits: torch.Tensor, valids: torch.Tensor) -> tuple[torch.Tensor, 
     return (leading * full).sum(), full.sum()
 
 
-def ttt_loss_reference(head: Eagle3Head, embed_weight: torch.Tensor, batch: dict, teacher: Teacher,
+def ttt_loss_reference(head: Eagle3Head, embed_weight: torch.Tensor, batch: dict, teacher,
                        ttt_steps: int = 7, step_weight_decay: float = 0.8, target_shift: int = 2) -> TTTResult:
     """Slow, obviously-correct TTT: one sequence, one step, one position at a time, key sets built by hand.
 
@@ -212,11 +243,11 @@ def ttt_loss_reference(head: Eagle3Head, embed_weight: torch.Tensor, batch: dict
                 if not (target < seq and attn[b, target] and loss_mask[b, target] == 1 and in_draft[b, target - 1]):
                     continue
                 draft_logits = head.logits(h)[0, 0]
-                probs, top_ids, target_argmax = teacher.rows(torch.tensor([b]), torch.tensor([target - 1]))
-                ce = soft_cross_entropy(draft_logits[None], probs, top_ids)[0]
+                teacher_logits = teacher.logits_at(torch.tensor([b]), torch.tensor([target - 1]))
+                ce = soft_cross_entropy(draft_logits[None], teacher_logits.softmax(-1))[0]
                 loss_terms[k].append(ce)
                 count[k] += 1
-                hit[(k, t)] = bool(draft_logits.argmax() == target_argmax[0])
+                hit[(k, t)] = bool(draft_logits.argmax() == teacher_logits[0].argmax())
                 correct[k] += hit[(k, t)]
             hidden = new_hidden
         for t in range(seq):
