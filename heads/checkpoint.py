@@ -95,6 +95,16 @@ def save_head(head: Eagle3Head, path: str | Path, metadata: dict | None = None) 
     return atomic_dir_write(Path(path), write)
 
 
+def head_content_hash(path: str | Path) -> str:
+    """sha256 of a head's model.safetensors: the identity bench reports and the gate record for a head."""
+    from eyas.data.packages import sha256_file
+
+    weights = Path(path) / WEIGHTS
+    if not weights.exists():
+        raise FileNotFoundError(f"{path}: no {WEIGHTS}, not an eyas head")
+    return sha256_file(weights)
+
+
 def read_metadata(path: str | Path) -> dict:
     meta = Path(path) / METADATA
     return json.loads(meta.read_text()) if meta.exists() else {}
