@@ -1,0 +1,163 @@
+"""`eyas prepare`: corpora -> rendered, masked, split samples in `data/` (a DatasetDict on disk).
+
+    data/                 DatasetDict (save_to_disk): train, validation; columns input_ids, loss_mask,
+                          source, record_id, category
+    data/prompts.jsonl    held-out prompts from validation, ending right before an assistant turn
+    data/stats.json       records in/out per reason per corpus, tokens, masked tokens
+    data/regenerated.jsonl  the target's answers when data.regenerate (resume log)
+    data/DONE.json        hash of the inputs, written last
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections import Counter
+from pathlib import Path
+
+from eyas.data.corpora import (CorpusStats, Record, corpus_identity, dedup, read_corpus, select, split_of)
+from eyas.data.targets import load_tokenizer
+from eyas.data.templates import Sample, parent_id, render_records
+
+DONE = "DONE.json"
+COLUMNS = ("input_ids", "loss_mask", "source", "record_id", "category")
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def read_done(folder: Path) -> dict | None:
+    try:
+        return json.loads((Path(folder) / DONE).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def write_done(folder: Path, input_hash: str, **extra) -> None:
+    atomic_write_text(Path(folder) / DONE, json.dumps({"input_hash": input_hash, "finished": time.time(), **extra},
+                                                      indent=2))
+
+
+def prepare_input_hash(recipe) -> str:
+    import hashlib
+
+    corpora = [corpus_identity(c) for c in recipe.data.corpora]
+    blob = json.dumps({"sections": recipe.section_hash("target", "data"), "corpora": corpora})
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def load_records(recipe) -> tuple[list[Record], list[CorpusStats]]:
+    """Every corpus read, deduplicated (also across corpora) and subsampled as configured."""
+    seen: set[str] = set()
+    records, stats = [], []
+    for cfg in recipe.data.corpora:
+        found, st = read_corpus(cfg, recipe.data.max_turns)
+        found = select(dedup(found, st, seen), cfg.weight, cfg.max_records, recipe.data.seed)
+        st.kept = len(found)
+        records += found
+        stats.append(st)
+    return records, stats
+
+
+def held_out_prompts(samples: list[Sample], records: dict[str, Record], tokenizer, per_category: int) -> list[dict]:
+    """Prompts from validation records: chat up to the first answer; code, the first half of a piece."""
+    prompts, taken = [], Counter()
+    for s in samples:
+        if taken[s.category] >= per_category:
+            continue
+        record = records[parent_id(s.record_id)]
+        if record.is_chat:
+            first = next(i for i, m in enumerate(record.messages) if m["role"] == "assistant")
+            item = {"messages": record.messages[:first]}
+        elif record.prompt:
+            item = {"prompt": record.prompt}
+        else:
+            item = {"prompt": tokenizer.decode(s.input_ids[:max(1, min(256, len(s.input_ids) // 2))],
+                                               skip_special_tokens=True)}
+        prompts.append({**item, "category": s.category, "record_id": s.record_id})
+        taken[s.category] += 1
+    return prompts
+
+
+def token_stats(samples: list[Sample]) -> dict:
+    return {"samples": len(samples), "tokens": sum(len(s.input_ids) for s in samples),
+            "masked_tokens": sum(sum(s.loss_mask) for s in samples)}
+
+
+def to_dataset(samples: list[Sample]):
+    from datasets import Dataset, Features, Sequence, Value
+
+    features = Features({"input_ids": Sequence(Value("int32")), "loss_mask": Sequence(Value("int8")),
+                         "source": Value("string"), "record_id": Value("string"), "category": Value("string")})
+    return Dataset.from_dict({c: [getattr(s, c) for s in samples] for c in COLUMNS}, features=features)
+
+
+def save_dataset(splits: dict[str, list[Sample]], out: Path) -> None:
+    """save_to_disk into a staging folder, then move its entries over the old ones."""
+    from datasets import DatasetDict
+
+    staging = out / f".staging-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    DatasetDict({name: to_dataset(s) for name, s in splits.items()}).save_to_disk(str(staging))
+    for entry in staging.iterdir():
+        target = out / entry.name
+        if target.is_dir():
+            shutil.rmtree(target)
+        os.replace(entry, target)
+    staging.rmdir()
+
+
+def run_prepare(recipe) -> Path:
+    cfg = recipe.data
+    out = recipe.stage_dir("data")
+    input_hash = prepare_input_hash(recipe)
+    if (done := read_done(out)) and done.get("input_hash") == input_hash:
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    (out / DONE).unlink(missing_ok=True)
+
+    t0 = time.time()
+    records, corpus_stats = load_records(recipe)
+    tokenizer = load_tokenizer(recipe.target)
+    if cfg.regenerate:
+        from eyas.data.regenerate import regenerate
+        from eyas.data.targets import load_target
+
+        model, _ = load_target(recipe.target)
+        records = regenerate(model, tokenizer, records, out / "regenerated.jsonl", cfg.regenerate_max_new_tokens,
+                             cfg.regenerate_batch_size, cfg.regenerate_temperature, cfg.regenerate_max_records,
+                             cfg.seed)
+        del model
+    t_read = time.time()
+
+    skipped: Counter = Counter()
+    samples = render_records(tokenizer, records, cfg.max_length, cfg.overflow, cfg.min_assistant_tokens, skipped)
+    t_render = time.time()
+    splits: dict[str, list[Sample]] = {"train": [], "validation": []}
+    for s in samples:
+        splits[split_of(parent_id(s.record_id), cfg.validation_fraction)].append(s)
+
+    save_dataset(splits, out)
+    by_id = {r.record_id: r for r in records}
+    prompts = held_out_prompts(splits["validation"], by_id, tokenizer, cfg.prompts_per_category)
+    atomic_write_text(out / "prompts.jsonl", "".join(json.dumps(p, ensure_ascii=False) + "\n" for p in prompts))
+    stats = {
+        "corpora": [s.to_dict() for s in corpus_stats],
+        "records": len(records),
+        "render_skipped": dict(skipped),
+        "splits": {name: {**token_stats(s), "by_category": {c: token_stats([x for x in s if x.category == c])
+                                                              for c in sorted({x.category for x in s})}}
+                   for name, s in splits.items()},
+        "prompts": len(prompts),
+        "seconds": {"read": round(t_read - t0, 2), "render": round(t_render - t_read, 2),
+                    "total": round(time.time() - t0, 2)},
+    }
+    atomic_write_text(out / "stats.json", json.dumps(stats, indent=2))
+    write_done(out, input_hash, samples={k: len(v) for k, v in splits.items()})
+    return out
+

@@ -1,0 +1,110 @@
+"""Replace assistant answers with the target's own, so the head learns what the target will say.
+
+Only the first assistant turn is regenerated and later turns are dropped: the user's follow-ups
+answered the original reply, not the target's. Completion-style records are left as they are.
+Results are appended per batch to a JSONL file keyed by record id, so a killed run resumes where it
+stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from eyas.data.corpora import Record
+
+
+def first_turn_prompt(messages: list[dict]) -> list[dict]:
+    """Messages before the first assistant turn (system and user)."""
+    first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    return messages[:first]
+
+
+def read_done(path: Path) -> dict[str, str]:
+    """Answers already generated; a line cut by a kill mid-write is ignored (and regenerated)."""
+    done = {}
+    if path.exists():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            done[item["record_id"]] = item["answer"]
+    return done
+
+
+def _append(path: Path, items: list[dict]) -> None:
+    with open(path, "a", encoding="utf-8") as fh:
+        for item in items:
+            fh.write(json.dumps(item, ensure_ascii=False) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+@torch.no_grad()
+def generate_answers(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int,
+                     temperature: float = 0.0, seed: int = 0) -> list[tuple[str, str]]:
+    """(answer text, "eos"|"length") for a batch of chat prompts, left-padded so all end together."""
+    texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
+    pad_side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    try:
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        batch = tokenizer(texts, add_special_tokens=False, return_tensors="pt", padding=True).to(model.device)
+    finally:
+        tokenizer.padding_side = pad_side
+    sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
+    if temperature > 0:
+        torch.manual_seed(seed)
+    out = model.generate(**batch, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                         top_k=None, top_p=None, **sampling)
+    new = out[:, batch["input_ids"].shape[1]:]
+    eos = _stop_ids(model, tokenizer)
+    answers = []
+    for row in new.tolist():
+        stop = next((j for j, t in enumerate(row) if t in eos), None)
+        answers.append((tokenizer.decode(row[:stop], skip_special_tokens=True).strip(),
+                        "length" if stop is None else "eos"))
+    return answers
+
+
+def _stop_ids(model, tokenizer) -> set[int]:
+    ids = getattr(model.generation_config, "eos_token_id", None)
+    ids = set(ids if isinstance(ids, list) else [ids]) if ids is not None else set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+def regenerate(model, tokenizer, records: list[Record], cache: Path, max_new_tokens: int = 256,
+               batch_size: int = 16, temperature: float = 0.0, max_records: int | None = None,
+               seed: int = 0) -> list[Record]:
+    """Chat records with their first answer replaced by the target's; empty answers drop the record."""
+    cache = Path(cache)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    chat = [r for r in records if r.is_chat]
+    if max_records is not None:
+        chat = chat[:max_records]
+    done = read_done(cache)
+    todo = [r for r in chat if r.record_id not in done]
+    # Similar lengths in a batch waste less padding.
+    todo.sort(key=lambda r: sum(len(m["content"]) for m in first_turn_prompt(r.messages)))
+    with tqdm(total=len(chat), initial=len(chat) - len(todo), desc="regenerate", unit="rec") as bar:
+        for b in range(0, len(todo), batch_size):
+            batch = todo[b:b + batch_size]
+            answers = generate_answers(model, tokenizer, [first_turn_prompt(r.messages) for r in batch],
+                                       max_new_tokens, temperature, seed + b)
+            items = [{"record_id": r.record_id, "answer": a, "finish": f} for r, (a, f) in zip(batch, answers)]
+            _append(cache, items)
+            done.update((i["record_id"], i["answer"]) for i in items)
+            bar.update(len(batch))
+    out = []
+    for r in chat:
+        if done.get(r.record_id):
+            messages = first_turn_prompt(r.messages) + [{"role": "assistant", "content": done[r.record_id]}]
+            out.append(Record(r.record_id, r.source, r.category, messages=messages))
+    return out + [r for r in records if not r.is_chat]
