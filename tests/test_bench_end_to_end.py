@@ -1,0 +1,163 @@
+"""One real `run_bench` on a tiny random-weight Llama target (SmolLM2's real tokenizer) and an EAGLE-3 head.
+
+The head is wired to output a constant (zero fc and o_proj, so its layer output is the MLP's down_proj bias),
+whose logits favour draft id 0, mapped to the token the target emits most: drafts are then partly accepted
+and partly rejected, so the lossless comparison runs over real accept, reject and cache-rewind steps rather
+than over drafts that are never accepted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from eyas.data.config import TargetConfig
+from eyas.data.packages import sha256_file
+from eyas.data.targets import load_tokenizer, tokenizer_hash
+from eyas.eval.bench import BenchPrompt, encode_prompt, run_bench
+from eyas.eval.config import BenchConfig, DecoderConfig
+from eyas.eval.decoder import PlainDecoder
+from eyas.eval.gate import gate_passed_for, run_gate
+from eyas.heads.checkpoint import HeadMismatchError, save_head
+from eyas.heads.eagle3 import Eagle3Config, build_head
+from eyas.recipe import Recipe
+
+PROMPTS = [
+    {"messages": [{"role": "user", "content": "Tell me about the rivers of Europe."}], "category": "chat"},
+    {"prompt": "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", "category": "code"},
+    {"messages": [{"role": "user", "content": "What should I cook tonight?"}], "category": "chat"},
+    {"prompt": "import os\n\ndef list_files(path):\n", "category": "code"},
+]
+DECODER = DecoderConfig(mode="tree", depth=3, topk=2, budget=4, num_speculative_tokens=2, max_new_tokens=16)
+
+
+def tiny_target_dir(root: Path, tokenizer) -> tuple[Path, LlamaForCausalLM]:
+    torch.manual_seed(0)
+    # initializer_range 0.1: varied output (at the default 0.02 a random model repeats one token forever).
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True,
+                      initializer_range=0.1)
+    model = LlamaForCausalLM(cfg).eval()
+    path = root / "tiny-target"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path, model
+
+
+def constant_proposal_head(model, tokenizer, favourite: int, path: Path, tokenizer_sha: str) -> Path:
+    config = Eagle3Config.from_target(model.config, draft_vocab_size=8, aux_layer_ids=[1, 2, 3])
+    head = build_head(dataclasses.replace(config, mlp_bias=True))
+    with torch.no_grad():
+        head.fc.weight.zero_()
+        head.midlayer.self_attn.o_proj.weight.zero_()
+        head.midlayer.mlp.down_proj.bias.fill_(1.0)  # the layer's output, whatever the input
+        head.lm_head.weight.zero_()
+        head.lm_head.weight[0] = 0.1  # draft id 0 wins by a wide margin
+    others = [t for t in range(3, 20) if t != favourite][:7]
+    target_ids = torch.tensor([favourite] + others)
+    t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+    t2d[target_ids] = True
+    head.set_vocab(target_ids - torch.arange(8), t2d)
+    return save_head(head, path, metadata={"tokenizer_hash": tokenizer_sha, "target": "tiny-random-llama"})
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    # Tiny matrices gain nothing from a second thread, and on a shared machine two threads can be 5x slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory, one_thread):
+    root = tmp_path_factory.mktemp("bench_e2e")
+    tokenizer = load_tokenizer(TargetConfig())
+    target_dir, model = tiny_target_dir(root, tokenizer)
+    prompts_file = root / "prompts.jsonl"
+    prompts_file.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    # The token the target emits most on these prompts becomes the head's only real proposal.
+    plain = PlainDecoder(model, tokenizer, DECODER)
+    emitted = Counter()
+    for i, p in enumerate(PROMPTS[:3]):
+        bench_prompt = BenchPrompt(line=i + 1, category=p["category"], messages=p.get("messages"), prompt=p.get("prompt"))
+        emitted.update(plain.generate(encode_prompt(tokenizer, bench_prompt)).tokens)
+    favourite = emitted.most_common(1)[0][0]
+    head_dir = constant_proposal_head(model, tokenizer, favourite, root / "head", tokenizer_hash(tokenizer))
+    recipe = Recipe(output_dir=str(root / "run"),
+                    target=TargetConfig(name_or_path=str(target_dir), dtype="float32", device="cpu"),
+                    bench=BenchConfig(num_prompts=3, warmup=1, decoder=DECODER))
+    report_path = run_bench(recipe, head_dir=head_dir, prompts=prompts_file)
+    return {"report_path": report_path, "report": json.loads(report_path.read_text()), "head_dir": head_dir,
+            "recipe": recipe, "prompts": prompts_file, "root": root, "model": model, "tokenizer": tokenizer}
+
+
+def test_report_has_every_figure_and_speculative_output_is_lossless(bench_run):
+    report = bench_run["report"]
+    assert bench_run["report_path"] == bench_run["recipe"].stage_dir("bench") / "report.json"
+    assert report["prompts"] == 3
+    assert report["lossless"] is True and report["lossless_exact_expected"] is True
+    assert report["lossless_prompts"] == 3
+    # transformers' own greedy generate() on the same target produces the plain decoder's tokens.
+    assert report["hf_generate_token_agreement"] == 1.0
+    for key in ("spec_tokens_per_s", "baseline_tokens_per_s", "speedup", "speedup_vs_hf_generate",
+                "speedup_vs_prompt_lookup", "hf_generate_tokens_per_s", "prompt_lookup_tokens_per_s"):
+        assert isinstance(report[key], float) and report[key] > 0, key
+    assert report["speedup"] == pytest.approx(report["spec_tokens_per_s"] / report["baseline_tokens_per_s"])
+    for which in ("baseline", "spec"):
+        for figure in ("ttft_ms", "itl_ms"):
+            got = report[figure][which]
+            assert got["p50"] <= got["p90"] <= got["p99"], (figure, which)
+    for decoder in ("baseline", "spec", "chain"):
+        assert set(report[decoder]["time_s"]) == {"target", "draft", "other"}
+    assert report["baseline"]["time_s"]["draft"] == 0.0 and report["spec"]["time_s"]["draft"] > 0
+
+
+def test_acceptance_is_real_and_alpha_comes_from_the_exported_chain_length(bench_run):
+    report = bench_run["report"]
+    chain = report["chain_acceptance"]
+    assert report["alpha_chain_length"] == 2 and len(report["alpha_per_position"]) == 2
+    assert report["alpha"] == pytest.approx(chain["accepted_tokens"] / chain["draft_tokens"])
+    assert 0 < report["alpha"] < 1  # some drafts accepted, some rejected
+    assert report["tau"] == pytest.approx(1 + report["acceptance"]["accepted_tokens"] / report["acceptance"]["drafts"])
+    assert report["tau"] > 1
+    assert report["decoder"]["mode"] == "tree" and report["decoder"]["budget"] == 4
+
+
+def test_categories_hashes_and_outputs_on_disk(bench_run):
+    report, head_dir = bench_run["report"], bench_run["head_dir"]
+    assert set(report["by_category"]) == {"chat", "code"}  # round-robin selection covers both
+    assert report["by_category"]["chat"]["prompts"] + report["by_category"]["code"]["prompts"] == 3
+    assert report["by_category"]["code"]["lossless"] is True
+    assert report["head"]["sha256"] == sha256_file(Path(head_dir) / "model.safetensors")
+    assert len(report["target"]["sha256"]) == 64
+    out = bench_run["recipe"].stage_dir("bench")
+    for name in report["plots"]:
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    assert {"acceptance_per_position.png", "categories.png", "speedup_model.png"} <= set(report["plots"])
+    summary = (out / "summary.md").read_text()
+    assert "speedup vs plain decoding" in summary and "| code |" in summary
+    assert not list(out.glob(".*tmp*"))  # atomic writes leave no temporaries
+
+
+def test_gate_on_a_real_report_ties_the_verdict_to_the_head(bench_run):
+    report_path, report = bench_run["report_path"], bench_run["report"]
+    assert run_gate(report_path, min_alpha=0.0) == 0
+    assert gate_passed_for(report["head"]["sha256"], report_path)
+    assert run_gate(report_path, min_alpha=0.0, min_speedup=1e6) == 1
+    assert not gate_passed_for(report["head"]["sha256"], report_path)
+
+
+def test_a_head_trained_for_another_tokenizer_is_refused(bench_run):
+    bad_head = constant_proposal_head(bench_run["model"], bench_run["tokenizer"], 5, bench_run["root"] / "bad",
+                                      tokenizer_sha="0" * 64)
+    with pytest.raises(HeadMismatchError, match="tokenizer"):
+        run_bench(bench_run["recipe"], head_dir=bad_head, prompts=bench_run["prompts"])
