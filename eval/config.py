@@ -20,6 +20,7 @@ class DecoderConfig:
     top_k: int = 0
     max_new_tokens: int = 128
     stop: list[str] = field(default_factory=list)
+    seed: int = 0  # sampling generator seed
 
 
 @dataclass
