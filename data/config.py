@@ -87,7 +87,7 @@ class VocabConfig:
     # true shrinks the draft vocabulary to the distinct tokens (never padded with unseen ids).
     shrink_to_distinct: bool = False
     # Validation positions on which the target's argmax is computed for the coverage report; 0 skips it.
-    argmax_positions: int = 4096
+    argmax_positions: int = 2048
     argmax_batch_size: int = 8
 
 
