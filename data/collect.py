@@ -407,6 +407,12 @@ class FeatureDataset(torch.utils.data.Dataset):
         self.fields = [k for k in self._handle(0).keys() if k not in ("offsets", "sample_index")] \
             if self.shards else []
 
+    @staticmethod
+    def shard_rows(path: str | Path) -> list[int]:
+        """Rows of the prepared split that one shard holds, in shard order."""
+        with safe_open(str(path), "pt") as fh:
+            return fh.get_tensor("sample_index").tolist()
+
     @property
     def meta(self) -> dict:
         return {k: v for k, v in self.index.items() if k != "splits"}
@@ -595,7 +601,10 @@ def run_collect(recipe) -> Path:
     cfg: CollectConfig = recipe.collect
     check_config(cfg)
     out = recipe.stage_dir("features")
-    state = PartialState()
+    # PartialState does not read ACCELERATE_USE_CPU itself; without cpu=True, CPU processes would not join a group.
+    use_cpu = (os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
+               or recipe.target.device == "cpu" or not torch.cuda.is_available())
+    state = PartialState(cpu=use_cpu)
     rank, world = state.process_index, state.num_processes
     key = inputs_hash(recipe)
     done = out / DONE
