@@ -21,10 +21,9 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from eyas.data.packages import sha256_file
 from eyas.data.targets import load_target, target_hash, text_config, tokenizer_hash
 from eyas.eval.config import BenchConfig, DecoderConfig
-from eyas.heads.checkpoint import WEIGHTS, load_head
+from eyas.heads.checkpoint import head_content_hash, load_head
 
 PERCENTILES = (50, 90, 99)
 DEFAULT_CATEGORY = "uncategorized"
@@ -514,7 +513,7 @@ def run_bench(recipe, head_dir=None, prompts=None) -> Path:
         "alpha_chain_length": k_alpha,
         "autotune": tune_table,
         "bench": {k: v for k, v in dataclasses.asdict(bench).items() if k != "decoder"},
-        "head": {"path": str(Path(head_dir).resolve()), "sha256": sha256_file(Path(head_dir) / WEIGHTS)},
+        "head": {"path": str(Path(head_dir).resolve()), "sha256": head_content_hash(head_dir)},
         "target": {"name": recipe.target.name_or_path, "sha256": target_hash(recipe.target.name_or_path),
                    "tokenizer_sha256": tokenizer_hash(tokenizer)},
         "prompts_file": str(Path(prompts_path).resolve()),

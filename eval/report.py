@@ -161,16 +161,17 @@ def plot_speedup_model(report: dict, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     cost = report.get("cost_model") or {}
-    bars = {"predicted\n(free draft)": cost.get("predicted_speedup_free_draft"),
-            "predicted\n(measured costs)": cost.get("predicted_speedup"),
-            "measured\nchain": report.get("chain_speedup"),
-            f"measured\n{report['decoder']['mode']}": report["speedup"]}
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    bars = {"predicted:\nfree draft": cost.get("predicted_speedup_free_draft"),
+            "predicted:\nmeasured cost": cost.get("predicted_speedup"),
+            f"measured:\nchain K={cost.get('k', '-')}": report.get("chain_speedup"),
+            f"measured:\n{report['decoder']['mode']}": report["speedup"]}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     left.bar(list(bars), [v or 0 for v in bars.values()], color=["#bbb", "#888", "tab:orange", "tab:green"])
     left.axhline(1.0, color="gray", linestyle="--", linewidth=1)
     left.set(title=f"speedup: predicted from alpha={fmt(cost.get('alpha'), '.2f')}, K={cost.get('k', '-')} vs measured",
              ylabel="x plain decoding")
     left.title.set_fontsize(9)
+    left.tick_params(axis="x", labelsize=8)
     decoders = [n for n in ("baseline", "spec", "chain") if n in report]
     bottom = [0.0] * len(decoders)
     for part, color in (("target", "tab:blue"), ("draft", "tab:orange"), ("other", "tab:gray")):
