@@ -263,11 +263,19 @@ def serving_markdown(fmt: str, target: str, draft: str, settings: dict) -> str:
 
 # ---- export and load back ---------------------------------------------------------------------------
 
-def default_verifier(meta: dict) -> str | None:
-    target = meta.get("target") or meta.get("target_name")
-    if target in KNOWN_TARGETS:
-        return KNOWN_TARGETS[target]["hub_id"]
-    return target
+def resolve_verifier(verifier: str | None, meta: dict) -> str | None:
+    """What engines should load as the target: a Hub id or a path, never an eyas-only short name."""
+    from eyas.data.targets import DEFAULT_TARGETS
+
+    name = verifier or meta.get("target") or meta.get("target_name")
+    if name in KNOWN_TARGETS:
+        return KNOWN_TARGETS[name]["hub_id"]
+    if name in DEFAULT_TARGETS:  # no Hub original known: the converted local copy works on this machine only
+        folder = local_target_dir(name)
+        warnings.warn(f"target '{name}' has no known Hub id; the export names "
+                      f"{folder or name} as its verifier (pass verifier= a Hub id to publish)")
+        return str(folder) if folder else name
+    return name
 
 
 def local_target_dir(name_or_path: str | None) -> Path | None:
@@ -326,7 +334,7 @@ def export_head(head_dir: str | Path, fmt: str, out_dir: str | Path, report: str
     head, meta = load_head(head_dir)
     report_data = read_report(report)
     settings = serving_settings(report_data, num_speculative_tokens)
-    verifier = verifier or default_verifier(meta)
+    verifier = resolve_verifier(verifier, meta)
     if fmt == "speculators" and not verifier:
         raise ValueError(f"{head_dir}: the head records no target; pass verifier= (the target's path or Hub id)")
     target_dir = local_target_dir(meta.get("target")) or local_target_dir(verifier)

@@ -218,3 +218,12 @@ def test_cli_export_writes_each_format(setup):
     assert validate_export(out / "sglang") == "sglang"
     assert validate_export(out / "speculators") == "speculators"
     assert main(["export", str(root / "missing"), "--format", "vllm", "--out", str(root / "x")]) == 2
+
+
+def test_verifier_is_a_hub_id_or_path_never_an_eyas_short_name():
+    from eyas.heads.export import resolve_verifier
+
+    assert resolve_verifier(None, {"target": "smollm2-135m-instruct"}) == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert resolve_verifier("smollm2-135m-instruct", {}) == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert resolve_verifier("org/model", {"target": "smollm2-135m-instruct"}) == "org/model"
+    assert resolve_verifier(None, {"target": "/data/my-target"}) == "/data/my-target"
