@@ -40,18 +40,18 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
 from tqdm.auto import tqdm
 
 from eyas.data.config import CollectConfig
+from eyas.data.prepare import DONE, read_done, write_done
 from eyas.data.targets import (aux_layer_ids_for, load_target, logits_from_final_hidden, resolve_target,
                                target_features, target_hash, text_config)
+from eyas.data.vocab import draft_to_target, load_vocab
 
 FORMAT = "eyas-features/1"
 INDEX = "index.json"
 TEACHER = "teacher.safetensors"
-DONE = "DONE.json"
 SPLITS = ("train", "validation")
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -96,41 +96,6 @@ def sha256_path(path: Path) -> str:
     from eyas.data.packages import sha256_file
 
     return sha256_file(Path(path))
-
-
-# ---- the draft vocabulary ----------------------------------------------------------------------------
-
-def load_vocab(path: str | Path) -> dict[str, torch.Tensor]:
-    """d2t/t2d from vocab.safetensors (or a vocab dir), checked against each other."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / "vocab.safetensors"
-    if not path.exists():
-        raise FeatureStoreError(f"{path}: no draft vocabulary. Fix: run `eyas vocab <recipe>` first")
-    tensors = load_file(str(path))
-    return check_vocab(tensors, str(path))
-
-
-def check_vocab(vocab: dict[str, torch.Tensor], where: str = "vocab") -> dict[str, torch.Tensor]:
-    for name in ("d2t", "t2d"):
-        if name not in vocab:
-            raise FeatureStoreError(f"{where}: missing tensor '{name}'")
-    d2t, t2d = vocab["d2t"].long(), vocab["t2d"]
-    if t2d.dtype != torch.bool:
-        raise FeatureStoreError(f"{where}: field 't2d' must be bool, got {t2d.dtype}")
-    target_ids = torch.arange(d2t.numel()) + d2t
-    if target_ids.numel() == 0 or target_ids.min() < 0 or target_ids.max() >= t2d.numel():
-        raise FeatureStoreError(f"{where}: field 'd2t' maps draft ids outside the target vocabulary "
-                                f"[0, {t2d.numel()})")
-    if not bool(t2d[target_ids].all()) or int(t2d.sum()) != d2t.numel():
-        raise FeatureStoreError(f"{where}: fields 'd2t' and 't2d' disagree (t2d marks {int(t2d.sum())} ids, "
-                                f"d2t has {d2t.numel()})")
-    return {"d2t": d2t, "t2d": t2d}
-
-
-def draft_target_ids(vocab: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Target id of every draft id, in draft order (target = draft + d2t[draft])."""
-    return torch.arange(vocab["d2t"].numel()) + vocab["d2t"]
 
 
 # ---- storage form of the per-position fields ---------------------------------------------------------
@@ -222,21 +187,22 @@ class OnlineFeatures:
     that `collate` builds from stored shards (the same storage rounding included), so offline and online
     training see the same numbers.  `encode` gives the storage form that `run_collect` writes."""
 
-    def __init__(self, target, vocab: dict[str, torch.Tensor], cfg: CollectConfig,
+    def __init__(self, target, vocab: tuple[torch.Tensor, torch.Tensor], cfg: CollectConfig,
                  layer_ids: list[int] | None = None):
+        """vocab: (d2t, t2d) as `eyas.data.vocab.load_vocab` returns them."""
         check_config(cfg)
         self.model = target
         self.cfg = cfg
         self.layer_ids = list(layer_ids) if layer_ids is not None else aux_layer_ids_for(target)
-        vocab = check_vocab(vocab)
+        d2t, t2d = vocab
         weight = target.get_output_embeddings().weight
-        if vocab["t2d"].numel() != weight.shape[0]:
-            raise FeatureStoreError(f"draft vocabulary was built for {vocab['t2d'].numel()} target tokens, "
+        if t2d.numel() != weight.shape[0]:
+            raise FeatureStoreError(f"draft vocabulary was built for {t2d.numel()} target tokens, "
                                     f"the target's lm_head has {weight.shape[0]} rows")
         self.device = weight.device
-        self.draft_ids = draft_target_ids(vocab).to(self.device)
-        self.t2d = vocab["t2d"].to(self.device)
-        self.d2t = vocab["d2t"]
+        self.draft_ids = draft_to_target(d2t, torch.arange(d2t.numel())).to(self.device)
+        self.t2d = t2d.to(self.device)
+        self.d2t = d2t
         self.softcap = getattr(text_config(target.config), "final_logit_softcapping", None)
 
     @property
@@ -549,14 +515,9 @@ def check_disk(out: Path, need: int, per_token: int, tokens: int) -> None:
 # ---- the stage ------------------------------------------------------------------------------------------------
 
 def upstream_hash(stage_dir: Path) -> str | None:
-    done = Path(stage_dir) / DONE
-    if not done.exists():
-        return None
-    try:
-        data = json.loads(done.read_text())
-    except json.JSONDecodeError:
-        return sha256_bytes(done.read_bytes())
-    return data.get("hash") if isinstance(data, dict) and data.get("hash") else sha256_bytes(done.read_bytes())
+    """input_hash of an upstream stage's DONE.json (None when that stage did not write one)."""
+    done = read_done(stage_dir)
+    return done.get("input_hash") if done else None
 
 
 def inputs_hash(recipe) -> str:
@@ -607,15 +568,14 @@ def run_collect(recipe) -> Path:
     state = PartialState(cpu=use_cpu)
     rank, world = state.process_index, state.num_processes
     key = inputs_hash(recipe)
-    done = out / DONE
-    if done.exists() and read_json(done).get("hash") == key:
+    if (done := read_done(out)) and done.get("input_hash") == key:
         if state.is_main_process:
             print(f"[collect] {out} is up to date ({DONE} matches)", flush=True)
         return out
     if cfg.mode == "online":
         if state.is_main_process:
             out.mkdir(parents=True, exist_ok=True)
-            write_json_atomic(done, {"stage": "collect", "hash": key, "mode": "online"})
+            write_done(out, key, mode="online")
             print("[collect] mode=online: nothing stored, the trainer runs the target (OnlineFeatures)", flush=True)
         state.wait_for_everyone()
         return out
@@ -640,7 +600,7 @@ def run_collect(recipe) -> Path:
     tconf = text_config(AutoConfig.from_pretrained(target_dir, trust_remote_code=recipe.target.trust_remote_code))
     vocab = load_vocab(recipe.stage_dir("vocab"))
     splits = load_splits(recipe.stage_dir("data"), cfg.max_records)
-    per_token = bytes_per_token(tconf.hidden_size, cfg, vocab["d2t"].numel())
+    per_token = bytes_per_token(tconf.hidden_size, cfg, vocab[0].numel())
 
     plans, done_shards, lengths_of = {}, {}, {}
     need_tokens = need_samples = 0
@@ -678,17 +638,16 @@ def run_collect(recipe) -> Path:
             "teacher": cfg.teacher, "feature_dtype": cfg.feature_dtype, "topk": cfg.topk if cfg.teacher == "topk" else None,
             "topk_dtype": cfg.topk_dtype if cfg.teacher == "topk" else None,
             "hidden_size": features.hidden_size, "aux_layer_ids": features.layer_ids,
-            "draft_vocab_size": features.draft_vocab_size, "target_vocab_size": int(vocab["t2d"].numel()),
+            "draft_vocab_size": features.draft_vocab_size, "target_vocab_size": int(vocab[1].numel()),
             "target": recipe.target.name_or_path, "target_hash": target_hash(recipe.target.name_or_path),
             "target_dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
             "bytes_per_token": per_token, "num_processes": world, "inputs_hash": key,
             "positions": "unshifted: aux/teacher at t belong to token t; the trainer shifts",
         })
         write_json_atomic(out / INDEX, index)
-        write_json_atomic(done, {"stage": "collect", "hash": key, "mode": "offline",
-                                 "sections": recipe.section_hash("target", "data", "vocab", "collect"),
-                                 "upstream": {"data": upstream_hash(recipe.stage_dir("data")),
-                                              "vocab": upstream_hash(recipe.stage_dir("vocab"))}})
+        write_done(out, key, mode="offline", sections=recipe.section_hash("target", "data", "vocab", "collect"),
+                   upstream={"data": upstream_hash(recipe.stage_dir("data")),
+                             "vocab": upstream_hash(recipe.stage_dir("vocab"))})
         print(f"[collect] wrote {out}", flush=True)
     state.wait_for_everyone()
     return out

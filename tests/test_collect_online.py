@@ -6,9 +6,10 @@ import datasets
 import pytest
 import torch
 
-from eyas.data.collect import FeatureDataset, OnlineFeatures, Teacher, collate, load_vocab, run_collect
+from eyas.data.collect import FeatureDataset, OnlineFeatures, Teacher, collate, run_collect
 from eyas.data.config import CollectConfig, TargetConfig
 from eyas.data.targets import load_target
+from eyas.data.vocab import load_vocab
 from eyas.recipe import Recipe
 
 from test_collect_store import build_tiny_target, make_recipe, write_vocab
@@ -100,12 +101,12 @@ def test_real_target_online_equals_offline_and_teacher_matches_lm_head(tmp_path)
     online = OnlineFeatures(model, load_vocab(recipe.stage_dir("vocab")), recipe.collect)
     assert_same_batch(offline, online(collate([ds[i] for i in range(len(ds))])))
 
-    vocab = load_vocab(recipe.stage_dir("vocab"))
-    draft_ids = torch.arange(vocab["d2t"].numel()) + vocab["d2t"]
+    d2t, t2d = load_vocab(recipe.stage_dir("vocab"))
+    draft_ids = torch.arange(d2t.numel()) + d2t
     with torch.no_grad():
         full = model(input_ids=offline["input_ids"], attention_mask=offline["attention_mask"].long()).logits
     real = offline["attention_mask"]
-    assert torch.equal(offline["target_in_draft"][real], vocab["t2d"][full.argmax(-1)][real])
+    assert torch.equal(offline["target_in_draft"][real], t2d[full.argmax(-1)][real])
     dense = Teacher.load(features).draft_logits(offline)[real]
     want = full[..., draft_ids][real]
     # bf16 hidden: logits differ by a small fraction of their scale; the argmax agrees nearly everywhere.

@@ -12,10 +12,11 @@ import torch
 from safetensors.torch import save_file
 
 from eyas.data import collect
-from eyas.data.collect import (FeatureDataset, FeatureStoreError, Teacher, collate, dequantize_fp8, load_vocab,
-                               quantize_fp8, run_collect)
+from eyas.data.collect import (FeatureDataset, FeatureStoreError, Teacher, collate, dequantize_fp8, quantize_fp8,
+                               run_collect)
 from eyas.data.config import CollectConfig, TargetConfig
 from eyas.data.targets import load_target, target_features
+from eyas.data.vocab import VocabError, build_mapping, load_vocab, save_vocab
 from eyas.recipe import Recipe
 
 VOCAB = 384
@@ -51,10 +52,7 @@ def token_rows(n: int, seed: int, min_len: int = 4, max_len: int = 40) -> datase
 
 def write_vocab(folder: Path, target_ids: torch.Tensor, vocab_size: int = VOCAB) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    d2t = target_ids - torch.arange(target_ids.numel())
-    t2d = torch.zeros(vocab_size, dtype=torch.bool)
-    t2d[target_ids] = True
-    save_file({"d2t": d2t, "t2d": t2d}, str(folder / "vocab.safetensors"))
+    save_vocab(folder / "vocab.safetensors", *build_mapping(target_ids, vocab_size))
 
 
 def make_recipe(root: Path, target_dir: Path, n_train: int = 14, n_val: int = 5, **collect_kw) -> Recipe:
@@ -93,8 +91,8 @@ def test_round_trip_matches_the_target_run_alone(tmp_path, tiny_target, teacher,
     recipe = make_recipe(tmp_path, tiny_target, teacher=teacher, feature_dtype=feature_dtype, topk=5)
     features = run_collect(recipe)
     model, _ = load_target(recipe.target)
-    vocab = load_vocab(recipe.stage_dir("vocab"))
-    draft_ids = torch.arange(vocab["d2t"].numel()) + vocab["d2t"]
+    d2t, t2d = load_vocab(recipe.stage_dir("vocab"))
+    draft_ids = torch.arange(d2t.numel()) + d2t
     prepared = datasets.load_from_disk(str(recipe.stage_dir("data")))
     index = json.loads((features / "index.json").read_text())
     assert index["teacher"] == teacher and index["hidden_size"] == 32 and index["aux_layer_ids"] == [2, 4, 5]
@@ -113,7 +111,7 @@ def test_round_trip_matches_the_target_run_alone(tmp_path, tiny_target, teacher,
             aux, final = target_features(model, torch.tensor([row["input_ids"]]), [2, 4, 5])
             aux, final = aux[0], final[0]
             full_logits = final @ model.lm_head.weight.T
-            assert torch.equal(item["target_in_draft"], vocab["t2d"][full_logits.argmax(-1)])
+            assert torch.equal(item["target_in_draft"], t2d[full_logits.argmax(-1)])
             assert item["aux"].dtype == torch.bfloat16 and item["aux"].shape == aux.shape
             rel = 2 ** -8 if feature_dtype == "bfloat16" else 2 ** -4  # half an ulp of bf16 / fp8 e4m3
             scale = aux.view(len(aux), 3, -1).abs().amax(-1, keepdim=True).expand(-1, -1, 32).reshape(aux.shape)
@@ -262,5 +260,5 @@ def test_bad_records_and_vocab_are_named(tmp_path, tiny_target):
         collect.OnlineFeatures(load_target(recipe.target)[0], load_vocab(recipe.stage_dir("vocab")), recipe.collect)
     bad = recipe.stage_dir("vocab") / "vocab.safetensors"
     save_file({"d2t": torch.zeros(3, dtype=torch.long), "t2d": torch.zeros(10, dtype=torch.bool)}, str(bad))
-    with pytest.raises(FeatureStoreError, match=f"{bad}: fields 'd2t' and 't2d' disagree"):
-        load_vocab(bad)
+    with pytest.raises(VocabError, match=f"{bad}: t2d marks 0 target ids but d2t has 3"):
+        run_collect(recipe)
