@@ -42,6 +42,9 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
         raise ConfigError(f"{where}: expected {annotation.__name__}, got {value!r}")
     if (origin in (list, tuple)) and not isinstance(value, (list, tuple)):
         raise ConfigError(f"{where}: expected a list, got {value!r}")
+    if origin is list and args and dataclasses.is_dataclass(args[0]):
+        return [from_dict(args[0], item, f"{where}[{i}]") if isinstance(item, dict) else item
+                for i, item in enumerate(value)]
     if dataclasses.is_dataclass(annotation) and isinstance(value, dict):
         return from_dict(annotation, value, where)
     return value
