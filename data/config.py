@@ -15,6 +15,8 @@ class TargetConfig:
     # "Stream entering layer k" ids (vLLM convention); null means [2, N//2, N-3].
     aux_layer_ids: list[int] | None = None
     trust_remote_code: bool = False
+    # "auto" shards a target too large for one device over all visible GPUs (offline collection of 70B).
+    device_map: str | None = None
 
 
 @dataclass

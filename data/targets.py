@@ -199,8 +199,13 @@ def load_target(cfg: TargetConfig, device: str | torch.device | None = None):
     where = resolve_target(cfg.name_or_path)
     dev = pick_device(str(device) if device is not None else cfg.device)
     dtype = pick_dtype(cfg.dtype, dev)
-    model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
-    model.to(dev).eval().requires_grad_(False)
+    if cfg.device_map:
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, trust_remote_code=cfg.trust_remote_code,
+                                                     device_map=cfg.device_map)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+        model.to(dev)
+    model.eval().requires_grad_(False)
     return model, load_tokenizer(cfg)
 
 
