@@ -58,3 +58,69 @@ def tiny_batch(model, d2t, t2d, batch: int = 3, seq: int = 16, pad: int = 3, see
     out = {"input_ids": ids, "loss_mask": loss_mask, "attention_mask": attention, "aux": aux,
            "target_in_draft": t2d[full_logits.argmax(-1)]}
     return out, DenseTeacher(full_logits[..., draft_rows])
+
+
+# ---- a whole tiny pipeline on disk: target dir, prepared data, vocab, recipe --------------------------------
+
+REAL_TARGET = "smollm2-135m-instruct"
+TEXT = (
+    "Speculative decoding drafts several tokens with a small model and verifies them with the target in one "
+    "forward pass. The draft head reads three hidden states of the target and predicts the next tokens. "
+    "Training-time test feeds the head its own outputs so that it learns to continue its drafts. "
+    "Acceptance length is the number of drafted tokens the target agrees with, plus one. "
+)
+
+
+def write_tiny_pipeline(root, n_train: int = 24, n_val: int = 8, draft_vocab: int = 128, seed: int = 0) -> dict:
+    """A tiny random Llama target with the real SmolLM2 tokenizer, prepared data from real text, and a
+    frequency-based draft vocab: everything the collect and train stages read. Returns the recipe dict."""
+    import datasets
+    from pathlib import Path
+    from transformers import AutoTokenizer
+
+    from eyas.data.vocab import build_mapping, save_vocab
+    from eyas.data.targets import resolve_target
+
+    root = Path(root)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_target(REAL_TARGET))
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True)
+    LlamaForCausalLM(cfg).save_pretrained(root / "target")
+    tokenizer.save_pretrained(root / "target")
+
+    ids = tokenizer(TEXT * 4)["input_ids"]
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n_train + n_val):
+        start = int(torch.randint(0, len(ids) - 48, (1,), generator=g))
+        length = int(torch.randint(20, 40, (1,), generator=g))
+        prompt = int(torch.randint(4, 10, (1,), generator=g))
+        rows.append({"input_ids": ids[start:start + length], "loss_mask": [0] * prompt + [1] * (length - prompt),
+                     "source": "inline", "record_id": f"r{i}", "category": "chat"})
+    dd = datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:n_train]),
+                               "validation": datasets.Dataset.from_list(rows[n_train:])})
+    out = root / "run"
+    dd.save_to_disk(str(out / "data"))
+
+    counts = torch.bincount(torch.tensor([t for r in rows[:n_train] for t in r["input_ids"]]), minlength=len(tokenizer))
+    keep = counts.argsort(descending=True)[:draft_vocab].sort().values
+    (out / "vocab").mkdir(parents=True)
+    save_vocab(out / "vocab" / "vocab.safetensors", *build_mapping(keep, len(tokenizer)))
+    return {
+        "name": "tiny", "output_dir": str(out),
+        "target": {"name_or_path": str(root / "target"), "aux_layer_ids": [0, 1, 2]},
+        "vocab": {"draft_vocab_size": draft_vocab},
+        "collect": {"mode": "offline", "batch_size": 4},
+        "train": {"ttt_steps": 3, "batch_size": 2, "max_steps": 6, "eval_every": 3, "save_every": 3, "log_every": 1,
+                  "lr": 3e-3, "warmup_steps": 1, "eval_max_batches": 2},
+    }
+
+
+def write_recipe(path, recipe: dict):
+    import yaml
+    from pathlib import Path
+
+    Path(path).write_text(yaml.safe_dump(recipe))
+    return path

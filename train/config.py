@@ -29,3 +29,7 @@ class TrainConfig:
     trackers: list[str] = field(default_factory=list)
     seed: int = 0
     num_workers: int = 0
+    # Keep head/state/ (optimizer, scheduler, RNG, data position) for resume; "auto" resumes when it matches.
+    resume: str = "auto"  # auto | never
+    # Write head/sample_ids.rank<R>.jsonl: the sample rows each rank trained on at each step (checks sharding).
+    log_sample_ids: bool = False
