@@ -164,7 +164,8 @@ def render_completion(tokenizer, records: list[Record], max_length: int, overflo
             if len(ids) > max_length and overflow == "drop":
                 skipped["too_long"] += 1
                 continue
-            mask = [int(a >= len(r.prompt) and b > a) for a, b in offsets]
+            # A token that straddles the boundary holds completion text, so it is a target too.
+            mask = [int(b > len(r.prompt)) for a, b in offsets]
             if len(ids) > max_length:
                 skipped["truncated (kept)"] += 1
             pieces = [(r.record_id, ids[:max_length], mask[:max_length])]
