@@ -201,8 +201,8 @@ def normalise_turns(pairs: list[tuple[str, str]], where: str, stats: CorpusStats
     if not any(m["role"] == "assistant" for m in messages):
         stats.skip("no_assistant_turn", f"{where}: no assistant turn after a user turn")
         return None
-    if max_turns is not None:
-        messages = _first_assistant_turns(messages, max_turns)
+    # Turns after the last answer teach nothing and cost tokens.
+    messages = _first_assistant_turns(messages, max_turns or sum(m["role"] == "assistant" for m in messages))
     return messages
 
 
