@@ -246,14 +246,14 @@ def run_vocab(recipe) -> Path:
               for name in ("train", "validation")}
     if counts["train"].sum() == 0:
         raise VocabError(f"{data_dir}/train: no masked tokens to build a vocabulary from")
+    ranked = ranked_ids(counts["train"])
+    sizes = list(cfg.sizes) + [cfg.draft_vocab_size]
+    size = choose_size(cfg, len(ranked), coverage_table(sizes, ranked, counts), data_dir)
+    # The target's argmax is the costly part; it comes after the size is known to be valid.
     if cfg.argmax_positions > 0 and len(data["validation"]):
         counts["target_argmax"] = target_argmax_counts(recipe, data["validation"], vocab_size,
                                                        cfg.argmax_positions, cfg.argmax_batch_size)
-    ranked = ranked_ids(counts["train"])
-    table = coverage_table(list(cfg.sizes) + [cfg.draft_vocab_size], ranked, counts)
-    size = choose_size(cfg, len(ranked), table, data_dir)
-    if size not in {row["size"] for row in table}:
-        table = coverage_table([row["size"] for row in table] + [size], ranked, counts)
+    table = coverage_table(sizes + [size], ranked, counts)
     d2t, t2d = build_mapping(ranked[:size], vocab_size)
 
     save_vocab(out / VOCAB_FILE, d2t, t2d)
