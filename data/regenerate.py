@@ -37,6 +37,16 @@ def read_done(path: Path) -> dict[str, str]:
     return done
 
 
+def drop_partial_line(path: Path) -> None:
+    """Cut a last line left unfinished by a kill, so the next append starts on a line of its own."""
+    if not path.exists():
+        return
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        with open(path, "r+b") as fh:
+            fh.truncate(data.rfind(b"\n") + 1)
+
+
 def _append(path: Path, items: list[dict]) -> None:
     with open(path, "a", encoding="utf-8") as fh:
         for item in items:
@@ -89,6 +99,7 @@ def regenerate(model, tokenizer, records: list[Record], cache: Path, max_new_tok
     chat = [r for r in records if r.is_chat]
     if max_records is not None:
         chat = chat[:max_records]
+    drop_partial_line(cache)
     done = read_done(cache)
     todo = [r for r in chat if r.record_id not in done]
     # Similar lengths in a batch waste less padding.

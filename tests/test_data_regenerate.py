@@ -1,0 +1,90 @@
+"""Regeneration with a tiny random-weight Llama and the real SmolLM2 tokenizer: batching, resume, output."""
+
+import json
+
+import pytest
+import torch
+
+from eyas.data import regenerate as regen
+from eyas.data.config import TargetConfig
+from eyas.data.corpora import Record
+from eyas.data.targets import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(TargetConfig())
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tokenizer):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    return LlamaForCausalLM(config).eval()
+
+
+def records(n):
+    out = []
+    for i in range(n):
+        msgs = [{"role": "user", "content": "Say something " + "please " * (i % 4) + f"about {i}."},
+                {"role": "assistant", "content": "original answer"},
+                {"role": "user", "content": "and more?"}, {"role": "assistant", "content": "second answer"}]
+        out.append(Record(f"id{i}", "s", "chat", messages=msgs))
+    return out + [Record("code0", "s", "code", completion="print('hi')\n")]
+
+
+def test_left_padded_batch_matches_one_by_one_greedy(tiny_model, tokenizer):
+    prompts = [regen.first_turn_prompt(r.messages) for r in records(4)[:4]]
+    batched = regen.generate_answers(tiny_model, tokenizer, prompts, max_new_tokens=6)
+    single = [regen.generate_answers(tiny_model, tokenizer, [p], max_new_tokens=6)[0] for p in prompts]
+    assert batched == single
+    assert all(finish in ("eos", "length") for _, finish in batched)
+    assert tokenizer.padding_side == "right"  # restored
+
+
+def test_regenerate_resumes_after_a_kill(tiny_model, tokenizer, tmp_path, monkeypatch):
+    cache = tmp_path / "regenerated.jsonl"
+    calls = []
+    real = regen.generate_answers
+
+    def dies_after_two_batches(model, tok, prompts, *args):
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # the kill
+        calls.append(len(prompts))
+        return real(model, tok, prompts, *args)
+
+    monkeypatch.setattr(regen, "generate_answers", dies_after_two_batches)
+    with pytest.raises(KeyboardInterrupt):
+        regen.regenerate(tiny_model, tokenizer, records(7), cache, max_new_tokens=4, batch_size=2)
+    assert len(cache.read_text().splitlines()) == 4
+    with open(cache, "a") as fh:
+        fh.write('{"record_id": "id6", "ans')  # a line cut mid-write by the kill
+
+    calls.clear()
+    monkeypatch.setattr(regen, "generate_answers", lambda *a: calls.append(len(a[2])) or real(*a))
+    out = regen.regenerate(tiny_model, tokenizer, records(7), cache, max_new_tokens=4, batch_size=2)
+    assert calls == [2, 1]  # only the 3 records not done before the kill
+    done = regen.read_done(cache)
+    assert sorted(done) == [f"id{i}" for i in range(7)]
+    chat = [r for r in out if r.is_chat]
+    assert len(chat) == 7 and out[-1].record_id == "code0" and not out[-1].is_chat
+    for r in chat:
+        # First turn only: the prompt, then the target's answer replacing the original.
+        assert [m["role"] for m in r.messages] == ["user", "assistant"]
+        assert r.messages[1]["content"] == done[r.record_id] != "original answer"
+
+    calls.clear()
+    regen.regenerate(tiny_model, tokenizer, records(7), cache, max_new_tokens=4, batch_size=2)
+    assert calls == []  # all done: nothing generated
+
+
+def test_max_records_limits_the_chat_records(tiny_model, tokenizer, tmp_path):
+    out = regen.regenerate(tiny_model, tokenizer, records(5), tmp_path / "r.jsonl", max_new_tokens=3,
+                           batch_size=4, max_records=2)
+    assert [r.record_id for r in out] == ["id0", "id1", "code0"]
+    lines = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert sorted(item["record_id"] for item in lines) == ["id0", "id1"]
