@@ -11,6 +11,7 @@ exported, and losslessness is checked token by token against plain greedy decodi
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import time
@@ -21,9 +22,11 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from eyas.data.packages import sha256_file
+from eyas.data.prepare import DONE, read_done, write_done
 from eyas.data.targets import load_target, target_hash, text_config, tokenizer_hash
 from eyas.eval.config import BenchConfig, DecoderConfig
-from eyas.heads.checkpoint import head_content_hash, load_head
+from eyas.heads.checkpoint import WEIGHTS, head_content_hash, load_head
 
 PERCENTILES = (50, 90, 99)
 DEFAULT_CATEGORY = "uncategorized"
@@ -343,7 +346,7 @@ def by_category(results: Sequence[PromptResult], greedy: bool, k_alpha: int) -> 
     return {name: summarize(group, greedy, k_alpha) for name, group in sorted(groups.items())}
 
 
-def per_prompt_rows(results: Sequence[PromptResult]) -> list[dict]:
+def per_prompt_rows(results: Sequence[PromptResult], greedy: bool) -> list[dict]:
     rows = []
     for r in results:
         plain, spec = r.stats["plain"], r.stats["spec"]
@@ -354,7 +357,7 @@ def per_prompt_rows(results: Sequence[PromptResult]) -> list[dict]:
             "baseline_tokens": len(plain.tokens),
             "spec_tokens": len(spec.tokens),
             "tau": 1 + spec.accepted_tokens / spec.drafts if spec.drafts else None,
-            "lossless": spec.tokens == plain.tokens and r.stats["chain"].tokens == plain.tokens,
+            "lossless": spec.tokens == plain.tokens and r.stats["chain"].tokens == plain.tokens if greedy else None,
             "spec_finish_reason": spec.finish_reason,
             "baseline_tokens_per_s": len(plain.tokens) / r.wall_s["plain"] if r.wall_s["plain"] > 0 else None,
             "spec_tokens_per_s": len(spec.tokens) / r.wall_s["spec"] if r.wall_s["spec"] > 0 else None,
@@ -445,15 +448,12 @@ def build_runners(model, head, tokenizer, cfg: DecoderConfig, bench: BenchConfig
     return Runners(generators=generators, device=model.device, seed=bench.seed)
 
 
-def load_bench_inputs(recipe, head_dir=None, prompts=None):
-    """(target, tokenizer, head, head_dir, prompts): the head is refused if trained for another tokenizer."""
+def load_bench_inputs(recipe, head_dir: Path):
+    """(target, tokenizer, head): the head is refused if it was trained for another tokenizer or vocabulary."""
     model, tokenizer = load_target(recipe.target)
-    head_dir = Path(head_dir) if head_dir else recipe.stage_dir("head") / "best"
     head, _ = load_head(head_dir, device=model.device, dtype=model.dtype, tokenizer=tokenizer,
                         target_vocab_size=text_config(model.config).vocab_size)
-    head.eval().requires_grad_(False)
-    prompts_path = Path(prompts or recipe.bench.prompts or recipe.stage_dir("data") / "prompts.jsonl")
-    return model, tokenizer, head, head_dir, prompts_path
+    return model, tokenizer, head.eval().requires_grad_(False)
 
 
 def maybe_autotune(model, head, tokenizer, cfg: DecoderConfig, warmup_ids: list[torch.Tensor]):
@@ -463,15 +463,34 @@ def maybe_autotune(model, head, tokenizer, cfg: DecoderConfig, warmup_ids: list[
     return tuned, table
 
 
+def bench_input_hash(recipe, head_dir: Path, prompts_path: Path) -> str:
+    """What a report depends on: target and bench settings, the exported K, the head's and prompts' content."""
+    blob = json.dumps({"sections": recipe.section_hash("target", "bench"), "k": alpha_chain_length(recipe),
+                       "head": head_content_hash(head_dir), "prompts": sha256_file(prompts_path)})
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
 def run_bench(recipe, head_dir=None, prompts=None) -> Path:
-    """Benchmark the head against plain decoding of its target; writes bench/report.json, summary.md, plots."""
+    """Benchmark the head against plain decoding of its target; writes bench/report.json, summary.md, plots.
+
+    Skipped (the existing report returned) when bench/DONE.json records the same inputs; delete it to re-measure.
+    """
     from tqdm.auto import tqdm
 
     from eyas.eval.report import print_summary, write_json_atomic, write_plots, write_summary
 
     bench: BenchConfig = recipe.bench
-    model, tokenizer, head, head_dir, prompts_path = load_bench_inputs(recipe, head_dir, prompts)
-    all_prompts = read_prompts(prompts_path)
+    out_dir = recipe.stage_dir("bench")
+    head_dir = Path(head_dir) if head_dir else recipe.stage_dir("head") / "best"
+    prompts_path = Path(prompts or bench.prompts or recipe.stage_dir("data") / "prompts.jsonl")
+    all_prompts = read_prompts(prompts_path)  # a bad prompts file fails before the target loads
+    input_hash = bench_input_hash(recipe, head_dir, prompts_path) if (head_dir / WEIGHTS).exists() else None
+    done = read_done(out_dir)
+    if input_hash and done and done.get("input_hash") == input_hash and (out_dir / "report.json").exists():
+        print(f"[bench] {out_dir / 'report.json'} is up to date ({DONE} matches); delete {out_dir / DONE} "
+              "to measure again")
+        return out_dir / "report.json"
+    model, tokenizer, head = load_bench_inputs(recipe, head_dir)
     chosen = select_prompts(all_prompts, bench.num_prompts)
     device = model.device
     encoded = [encode_prompt(tokenizer, p, device) for p in chosen]
@@ -508,7 +527,7 @@ def run_bench(recipe, head_dir=None, prompts=None) -> Path:
             f"{str(model.dtype).removeprefix('torch.')}: a multi-token verify forward rounds differently from "
             "one-token decoding, so a divergence can be kernel numerics; see token_agreement"),
         "by_category": by_category(results, greedy, k_alpha),
-        "per_prompt": per_prompt_rows(results),
+        "per_prompt": per_prompt_rows(results, greedy),
         "decoder": dataclasses.asdict(cfg),
         "alpha_chain_length": k_alpha,
         "autotune": tune_table,
@@ -522,13 +541,14 @@ def run_bench(recipe, head_dir=None, prompts=None) -> Path:
                         "cuda_device": torch.cuda.get_device_name(device) if device.type == "cuda" else None},
         "created_unix": time.time(),
     })
-    out_dir = recipe.stage_dir("bench")
     out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / DONE).unlink(missing_ok=True)  # the outputs change from here on
     report = plain_json(report)
     plots = write_plots(report, out_dir)
     report["plots"] = [p.name for p in plots]
     write_summary(report, out_dir / "summary.md")
-    path = write_json_atomic(out_dir / "report.json", report)  # last: its presence means the bench finished
+    path = write_json_atomic(out_dir / "report.json", report)
+    write_done(out_dir, input_hash, stage="bench", head_sha256=report["head"]["sha256"])  # written last
     print_summary(report)
     return path
 

@@ -148,6 +148,16 @@ def test_categories_hashes_and_outputs_on_disk(bench_run):
     assert not list(out.glob(".*tmp*"))  # atomic writes leave no temporaries
 
 
+def test_an_unchanged_bench_is_not_measured_again(bench_run, capsys):
+    report_path = bench_run["report_path"]
+    before = report_path.stat().st_mtime_ns
+    assert run_bench(bench_run["recipe"], head_dir=bench_run["head_dir"], prompts=bench_run["prompts"]) == report_path
+    assert "up to date" in capsys.readouterr().out
+    assert report_path.stat().st_mtime_ns == before
+    done = json.loads((report_path.parent / "DONE.json").read_text())
+    assert done["head_sha256"] == bench_run["report"]["head"]["sha256"]
+
+
 def test_gate_on_a_real_report_ties_the_verdict_to_the_head(bench_run):
     report_path, report = bench_run["report_path"], bench_run["report"]
     assert run_gate(report_path, min_alpha=0.0) == 0

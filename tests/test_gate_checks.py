@@ -113,6 +113,16 @@ def test_recipe_thresholds_apply_and_flags_win(tmp_path):
     assert run_gate(path, recipe=str(recipe), weights="code=1") == 1  # flag weights replace the recipe's
 
 
+def test_a_loaded_recipe_is_accepted_as_eyas_run_passes_it(tmp_path):
+    from eyas.recipe import Recipe
+
+    path = write_report(tmp_path, crafted_report())
+    recipe = Recipe(gate=GateConfig(min_alpha=0.9))
+    assert run_gate(path, recipe=recipe) == 1
+    assert run_gate(path, recipe_obj=recipe) == 1
+    assert run_gate(path, recipe_obj=recipe, min_alpha=0.5) == 0
+
+
 def test_weights_strings_are_parsed_and_bad_ones_named():
     assert parse_weights("chat=0.7, code=0.3") == {"chat": 0.7, "code": 0.3}
     assert parse_weights(None) == {}
