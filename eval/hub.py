@@ -67,16 +67,24 @@ def public_info(info: dict) -> dict:
     return out
 
 
+def link_or_copy(src: Path, dst: Path) -> None:
+    """Hard-link when on the same filesystem (weights can be gigabytes), else copy."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
 def stage_upload(export_dir: Path, folder: Path, info: dict, card: str, plots: list[Path]) -> list[tuple[str, int]]:
     """Fill `folder` with what goes to the Hub; returns (relative path, bytes) of every file, sorted."""
     for src in sorted(export_dir.iterdir()):
         if src.is_file() and src.name not in ("README.md", EXPORT_METADATA):
-            shutil.copy2(src, folder / src.name)
+            link_or_copy(src, folder / src.name)
     (folder / EXPORT_METADATA).write_text(json.dumps(public_info(info), indent=2))
     if plots:
         (folder / PLOTS_DIR).mkdir()
         for png in plots:
-            shutil.copy2(png, folder / PLOTS_DIR / png.name)
+            link_or_copy(png, folder / PLOTS_DIR / png.name)
     (folder / "README.md").write_text(card)
     return sorted((str(p.relative_to(folder)), p.stat().st_size) for p in folder.rglob("*") if p.is_file())
 

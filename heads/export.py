@@ -40,7 +40,8 @@ KNOWN_TARGETS = {
 }
 
 
-# Loaders accept these when present and fall back to the target's weights when absent.
+# Loaders accept these when present and fall back to the target's weights when absent; an Eagle3Head
+# always takes the target's embedding, so load_exported drops it.
 OPTIONAL_TENSORS = {"embed_tokens.weight"}
 
 
@@ -99,8 +100,7 @@ def expected_tensors(cfg: dict, fmt: str) -> dict[str, tuple[tuple[int, ...], to
     if layer.get("mlp_bias"):
         for proj, size in (("gate", inter), ("up", inter), ("down", hidden)):
             shapes[f"{prefix}mlp.{proj}_proj.bias"] = ((size,), None)
-    if fmt == "speculators":
-        shapes["embed_tokens.weight"] = ((vocab, hidden), None)
+    shapes["embed_tokens.weight"] = ((vocab, hidden), None)  # optional: every loader takes a draft's own
     # speculators only allocates the mappings when the draft vocabulary is trimmed.
     if fmt != "speculators" or draft_vocab != vocab:
         shapes["d2t"] = ((draft_vocab,), torch.int64)
@@ -146,6 +146,8 @@ def validate_tensors(tensors: dict[str, torch.Tensor], cfg: dict, fmt: str, wher
             problems.append(f"tensor '{name}': dtype {got.dtype}, expected {want}")
         elif dtype is None and not got.is_floating_point():
             problems.append(f"tensor '{name}': dtype {got.dtype}, expected a float dtype")
+        elif got.is_floating_point() and not torch.isfinite(got).all():
+            problems.append(f"tensor '{name}': has NaN or inf values")
     if not problems and "d2t" in tensors:
         problems += vocab_mapping_problems(tensors["d2t"], tensors["t2d"])
     if problems:

@@ -151,6 +151,14 @@ def test_validator_catches_wrong_shape(setup):
         validate_export(out)
 
 
+def test_validator_catches_non_finite_weights(setup):
+    root, _, _, head_dir = setup
+    out = export_head(head_dir, "sglang", root / "nan")
+    rewrite_weights(out, lambda t: t["norm.weight"].__setitem__(3, float("nan")))
+    with pytest.raises(ExportValidationError, match="'norm.weight': has NaN"):
+        validate_export(out)
+
+
 def test_validator_catches_inconsistent_vocab_mapping(setup):
     root, _, _, head_dir = setup
     out = export_head(head_dir, "vllm", root / "vocab")
