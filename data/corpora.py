@@ -72,6 +72,8 @@ class CorpusStats:
     skipped: Counter = field(default_factory=Counter)
     repaired: Counter = field(default_factory=Counter)
     examples: dict[str, list[str]] = field(default_factory=dict)
+    render_skipped: Counter = field(default_factory=Counter)  # records dropped (or cut) when tokenised
+    samples: int = 0
 
     def skip(self, reason: str, where: str) -> None:
         self.skipped[reason] += 1
@@ -81,7 +83,8 @@ class CorpusStats:
 
     def to_dict(self) -> dict:
         return {"source": self.source, "read": self.read, "kept": self.kept, "skipped": dict(self.skipped),
-                "repaired": dict(self.repaired), "examples": self.examples}
+                "repaired": dict(self.repaired), "render_skipped": dict(self.render_skipped), "samples": self.samples,
+                "examples": self.examples}
 
 
 def content_hash(record: Record) -> str:

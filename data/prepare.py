@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -44,24 +45,34 @@ def write_done(folder: Path, input_hash: str, **extra) -> None:
 
 
 def prepare_input_hash(recipe) -> str:
-    import hashlib
-
     corpora = [corpus_identity(c) for c in recipe.data.corpora]
     blob = json.dumps({"sections": recipe.section_hash("target", "data"), "corpora": corpora})
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def load_records(recipe) -> tuple[list[Record], list[CorpusStats]]:
+def load_corpora(recipe) -> list[tuple[CorpusStats, list[Record]]]:
     """Every corpus read, deduplicated (also across corpora) and subsampled as configured."""
     seen: set[str] = set()
-    records, stats = [], []
+    groups = []
     for cfg in recipe.data.corpora:
-        found, st = read_corpus(cfg, recipe.data.max_turns)
-        found = select(dedup(found, st, seen), cfg.weight, cfg.max_records, recipe.data.seed)
-        st.kept = len(found)
-        records += found
-        stats.append(st)
-    return records, stats
+        found, stats = read_corpus(cfg, recipe.data.max_turns)
+        found = select(dedup(found, stats, seen), cfg.weight, cfg.max_records, recipe.data.seed)
+        stats.kept = len(found)
+        groups.append((stats, found))
+    return groups
+
+
+def regenerate_groups(recipe, tokenizer, groups, out: Path) -> list[tuple[CorpusStats, list[Record]]]:
+    from eyas.data.regenerate import regenerate
+    from eyas.data.targets import load_target
+
+    cfg = recipe.data
+    model, _ = load_target(recipe.target)
+    records = [r for _, found in groups for r in found]
+    answered = {r.record_id: r for r in regenerate(model, tokenizer, records, out / "regenerated.jsonl",
+                                                   cfg.regenerate_max_new_tokens, cfg.regenerate_batch_size,
+                                                   cfg.regenerate_temperature, cfg.regenerate_max_records, cfg.seed)}
+    return [(stats, [answered[r.record_id] for r in found if r.record_id in answered]) for stats, found in groups]
 
 
 def held_out_prompts(samples: list[Sample], records: dict[str, Record], tokenizer, per_category: int) -> list[dict]:
@@ -122,34 +133,31 @@ def run_prepare(recipe) -> Path:
     (out / DONE).unlink(missing_ok=True)
 
     t0 = time.time()
-    records, corpus_stats = load_records(recipe)
+    groups = load_corpora(recipe)
     tokenizer = load_tokenizer(recipe.target)
     if cfg.regenerate:
-        from eyas.data.regenerate import regenerate
-        from eyas.data.targets import load_target
-
-        model, _ = load_target(recipe.target)
-        records = regenerate(model, tokenizer, records, out / "regenerated.jsonl", cfg.regenerate_max_new_tokens,
-                             cfg.regenerate_batch_size, cfg.regenerate_temperature, cfg.regenerate_max_records,
-                             cfg.seed)
-        del model
+        groups = regenerate_groups(recipe, tokenizer, groups, out)
     t_read = time.time()
 
-    skipped: Counter = Counter()
-    samples = render_records(tokenizer, records, cfg.max_length, cfg.overflow, cfg.min_assistant_tokens, skipped)
+    samples: list[Sample] = []
+    for stats, found in groups:
+        rendered = render_records(tokenizer, found, cfg.max_length, cfg.overflow, cfg.min_assistant_tokens,
+                                  stats.render_skipped)
+        stats.samples = len(rendered)
+        samples += rendered
     t_render = time.time()
     splits: dict[str, list[Sample]] = {"train": [], "validation": []}
     for s in samples:
         splits[split_of(parent_id(s.record_id), cfg.validation_fraction)].append(s)
 
     save_dataset(splits, out)
-    by_id = {r.record_id: r for r in records}
+    by_id = {r.record_id: r for _, found in groups for r in found}
     prompts = held_out_prompts(splits["validation"], by_id, tokenizer, cfg.prompts_per_category)
     atomic_write_text(out / "prompts.jsonl", "".join(json.dumps(p, ensure_ascii=False) + "\n" for p in prompts))
     stats = {
-        "corpora": [s.to_dict() for s in corpus_stats],
-        "records": len(records),
-        "render_skipped": dict(skipped),
+        "corpora": [stats.to_dict() for stats, _ in groups],
+        "records": len(by_id),
+        "render_skipped": dict(sum((stats.render_skipped for stats, _ in groups), Counter())),
         "splits": {name: {**token_stats(s), "by_category": {c: token_stats([x for x in s if x.category == c])
                                                               for c in sorted({x.category for x in s})}}
                    for name, s in splits.items()},

@@ -49,7 +49,9 @@ def test_prepare_writes_the_dataset_prompts_stats_and_done(tmp_path):
     stats = json.loads((out / "stats.json").read_text())
     chat = stats["corpora"][0]
     assert chat["read"] == 61 and chat["kept"] == 60 and chat["skipped"] == {"unknown_role": 1}
-    assert stats["corpora"][2]["kept"] == 30
+    humaneval = stats["corpora"][2]
+    assert humaneval["kept"] == 30 and humaneval["samples"] == 30 - humaneval["render_skipped"]["too_few_assistant_tokens"]
+    assert sum(c["samples"] for c in stats["corpora"]) == len(train) + len(val)
     assert stats["splits"]["train"]["samples"] == len(train)
     assert stats["splits"]["train"]["masked_tokens"] == sum(sum(m) for m in train["loss_mask"])
 
@@ -99,6 +101,7 @@ def test_overflow_drop_and_duplicates_are_counted(tmp_path):
                         validation_fraction=0.0)
     stats = json.loads((run_prepare(recipe) / "stats.json").read_text())
     assert stats["render_skipped"] == {"too_long": 1} and stats["corpora"][0]["skipped"] == {"duplicate": 1}
+    assert stats["corpora"][0]["render_skipped"] == {"too_long": 1} and stats["corpora"][0]["samples"] == 1
     assert stats["splits"]["train"]["samples"] == 1 and stats["splits"]["validation"]["samples"] == 0
 
 
