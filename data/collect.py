@@ -526,6 +526,17 @@ def inputs_hash(recipe) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def sample_lengths(ds, chunk: int = 65536) -> list[int]:
+    """Token count of every row, read through Arrow (no Python lists of all the ids)."""
+    import pyarrow.compute as pc
+
+    table = ds.with_format("arrow")
+    lengths: list[int] = []
+    for start in range(0, len(ds), chunk):
+        lengths += pc.list_value_length(table[start:start + chunk]["input_ids"]).to_pylist()
+    return lengths
+
+
 def load_splits(data_dir: Path, max_records: int | None) -> dict:
     import datasets
 
@@ -605,10 +616,11 @@ def run_collect(recipe) -> Path:
     plans, done_shards, lengths_of = {}, {}, {}
     need_tokens = need_samples = 0
     for split, ds in splits.items():
-        lengths = lengths_of[split] = [len(x) for x in ds["input_ids"]]
+        lengths = lengths_of[split] = sample_lengths(ds)
         plans[split] = [plan_shards(lengths, r, world, cfg.batch_size, cfg.shard_tokens) for r in range(world)]
         for r in range(world):
-            finished = read_progress(out, split, r, plans[split][r])
+            # Each rank checksums only its own shards; the others' progress is only counted.
+            finished = read_progress(out, split, r, plans[split][r], verify=r == rank)
             if r == rank:
                 done_shards[split] = finished
             for n, shard in enumerate(plans[split][r]):
@@ -653,8 +665,8 @@ def run_collect(recipe) -> Path:
     return out
 
 
-def read_progress(out: Path, split: str, rank: int, plan) -> dict:
-    """Shards this rank finished, verified against their checksums; bad ones are dropped (recollected)."""
+def read_progress(out: Path, split: str, rank: int, plan, verify: bool = True) -> dict:
+    """Shards a rank finished, verified against their checksums; bad ones are dropped (recollected)."""
     path = progress_path(out, split, rank)
     if not path.exists():
         return {}
@@ -665,7 +677,7 @@ def read_progress(out: Path, split: str, rank: int, plan) -> dict:
     finished = {}
     for name, entry in progress["shards"].items():
         try:
-            verify_shards(out, [entry], checksum=True)
+            verify_shards(out, [entry], checksum=verify)
         except FeatureStoreError as exc:
             print(f"[collect] {exc}; collecting it again", flush=True)
             continue
