@@ -467,3 +467,57 @@ class SpeculativeDecoder(_Base):
             seq = torch.cat([seq, torch.tensor(new_tokens, device=self.device)])
             if out.add(new_tokens):
                 return out.result()
+
+
+# ---- auto-tune --------------------------------------------------------------------------------------
+DEFAULT_SHAPES = (
+    {"mode": "chain", "num_speculative_tokens": 2},
+    {"mode": "chain", "num_speculative_tokens": 3},
+    {"mode": "chain", "num_speculative_tokens": 5},
+    {"mode": "tree", "depth": 3, "topk": 2, "budget": 6},
+    {"mode": "tree", "depth": 4, "topk": 4, "budget": 8},
+    {"mode": "tree", "depth": 5, "topk": 4, "budget": 16},
+    {"mode": "tree", "depth": 6, "topk": 8, "budget": 32},
+)
+
+
+def _as_input_ids(prompt, tokenizer, device) -> torch.Tensor:
+    if isinstance(prompt, torch.Tensor):
+        return prompt.to(device)
+    return tokenizer(prompt, return_tensors="pt").input_ids.to(device)
+
+
+def autotune(target, head, tokenizer, prompts, base_cfg: DecoderConfig, shapes=DEFAULT_SHAPES,
+             max_new_tokens: int | None = 64, repeats: int = 1) -> tuple[DecoderConfig, list[dict]]:
+    """Measure tokens/s of each draft shape on a few prompts and return the fastest config and the table.
+
+    The best tree depends on the hardware (a CPU pays for every verified token, a GPU hardly does), so
+    the choice is measured, not assumed. Each shape runs once unmeasured first (warm-up). The plain
+    decoder is measured too, as the table's reference row.
+    """
+    from tqdm.auto import tqdm
+
+    device = next(target.parameters()).device
+    ids = [_as_input_ids(p, tokenizer, device) for p in prompts]
+    if not ids:
+        raise ValueError("autotune needs at least one prompt")
+    limit = {"max_new_tokens": max_new_tokens} if max_new_tokens else {}
+    plain_cfg = dataclasses.replace(base_cfg, **limit)
+
+    def measure(decoder) -> dict:
+        decoder.generate(ids[0])  # warm-up
+        runs = [decoder.generate(x) for _ in range(repeats) for x in ids]
+        tokens, seconds = sum(len(r.tokens) for r in runs), sum(r.total_s for r in runs)
+        forwards = sum(r.target_forwards - 1 for r in runs)
+        return {"tokens_per_s": tokens / seconds if seconds else 0.0, "tokens": tokens, "seconds": seconds,
+                "tokens_per_step": (tokens - len(runs)) / forwards if forwards else 1.0}
+
+    table = [{"shape": {"mode": "plain"}, **measure(PlainDecoder(target, tokenizer, plain_cfg))}]
+    for shape in tqdm(shapes, desc="autotune", leave=False):
+        cfg = dataclasses.replace(base_cfg, **limit, **shape)
+        table.append({"shape": dict(shape), **measure(SpeculativeDecoder(target, head, tokenizer, cfg))})
+    best = max(table[1:], key=lambda row: row["tokens_per_s"])
+    for row in table:
+        row["speedup"] = row["tokens_per_s"] / table[0]["tokens_per_s"] if table[0]["tokens_per_s"] else None
+        row["chosen"] = row is best
+    return dataclasses.replace(base_cfg, **best["shape"]), table
