@@ -166,8 +166,46 @@ def test_gate_on_a_real_report_ties_the_verdict_to_the_head(bench_run):
     assert not gate_passed_for(report["head"]["sha256"], report_path)
 
 
+def test_autotune_picks_the_shape_on_held_out_prompts_and_benches_with_it(bench_run):
+    recipe = dataclasses.replace(
+        bench_run["recipe"], output_dir=str(bench_run["root"] / "tuned"),
+        bench=BenchConfig(num_prompts=1, warmup=1, compare_hf=False, autotune=True,
+                          decoder=dataclasses.replace(DECODER, max_new_tokens=6)))
+    report = json.loads(run_bench(recipe, head_dir=bench_run["head_dir"], prompts=bench_run["prompts"]).read_text())
+    tune = report["autotune"]
+    assert tune["held_out"] is True and 1 not in tune["prompt_lines"]  # line 1 is the measured prompt
+    chosen = [row for row in tune["table"] if row["chosen"]]
+    assert len(chosen) == 1
+    assert all(report["decoder"][k] == v for k, v in chosen[0]["shape"].items())
+    assert report["lossless"] is True and report["speedup_vs_hf_generate"] is None
+
+
 def test_a_head_trained_for_another_tokenizer_is_refused(bench_run):
     bad_head = constant_proposal_head(bench_run["model"], bench_run["tokenizer"], 5, bench_run["root"] / "bad",
                                       tokenizer_sha="0" * 64)
     with pytest.raises(HeadMismatchError, match="tokenizer"):
         run_bench(bench_run["recipe"], head_dir=bad_head, prompts=bench_run["prompts"])
+
+
+@pytest.mark.slow
+def test_real_smollm2_bench_is_lossless_and_agrees_with_transformers(tmp_path, one_thread):
+    """The real default target (SmolLM2-135M-Instruct, fp32) with a constant-proposal head: ~2-5 min on 2 cores."""
+    from eyas.data.targets import load_target
+
+    model, tokenizer = load_target(TargetConfig(dtype="float32", device="cpu"))
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    decoder = dataclasses.replace(DECODER, max_new_tokens=32)
+    plain = PlainDecoder(model, tokenizer, decoder)
+    emitted = Counter()
+    for i, p in enumerate(PROMPTS[:2]):
+        bench_prompt = BenchPrompt(line=i + 1, category=p["category"], messages=p.get("messages"), prompt=p.get("prompt"))
+        emitted.update(plain.generate(encode_prompt(tokenizer, bench_prompt)).tokens)
+    head_dir = constant_proposal_head(model, tokenizer, emitted.most_common(1)[0][0], tmp_path / "head",
+                                      tokenizer_hash(tokenizer))
+    recipe = Recipe(output_dir=str(tmp_path / "run"), target=TargetConfig(dtype="float32", device="cpu"),
+                    bench=BenchConfig(num_prompts=2, warmup=1, decoder=decoder))
+    report = json.loads(run_bench(recipe, head_dir=head_dir, prompts=prompts_file).read_text())
+    assert report["lossless"] is True and report["hf_generate_token_agreement"] == 1.0
+    assert report["tau"] > 1 and report["alpha"] > 0
+    assert set(report["by_category"]) == {"chat", "code"}
