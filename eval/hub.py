@@ -13,7 +13,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from eyas.data.packages import sha256_file
 from eyas.eval.modelcard import build_card
+from eyas.heads.checkpoint import WEIGHTS
 from eyas.heads.export import EXPORT_METADATA, read_report, validate_export
 
 PLOTS_DIR = "plots"
@@ -28,7 +30,7 @@ def read_export_info(export_dir: Path) -> dict:
     if not path.exists():
         raise FileNotFoundError(f"{export_dir}: no {EXPORT_METADATA}; push an `eyas export` directory")
     info = json.loads(path.read_text())
-    for key in ("format", "source_head_hash", "head_config", "settings"):
+    for key in ("format", "source_head_hash", "weights_sha256", "head_config", "settings"):
         if key not in info:
             raise PushError(f"{path}: field '{key}' is missing; re-run `eyas export`")
     return info
@@ -120,6 +122,8 @@ def push(export_dir, repo_id: str, report=None, dry_run: bool = False, force: bo
     export_dir = Path(export_dir)
     info = read_export_info(export_dir)
     validate_export(export_dir)
+    if info.get("weights_sha256") != sha256_file(export_dir / WEIGHTS):
+        raise PushError(f"{export_dir / WEIGHTS} changed after `eyas export` wrote it; re-export the gated head")
     report_path = Path(report) if report else Path(info["bench_report"]) if info.get("bench_report") else None
     if report_path is not None and not report_path.exists():
         if report:

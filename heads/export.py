@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from eyas.data.packages import sha256_file
 from eyas.heads.checkpoint import (
     WEIGHTS,
     atomic_dir_write,
@@ -379,6 +380,8 @@ def export_head(head_dir: str | Path, fmt: str, out_dir: str | Path, report: str
     def write(tmp: Path) -> None:
         save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        # push checks this, so weights edited after export are never published under the gated head's name
+        info["weights_sha256"] = sha256_file(tmp / WEIGHTS)
         (tmp / EXPORT_METADATA).write_text(json.dumps(info, indent=2))
         serving = serving_markdown(fmt, target_for_snippet, str(out_dir.resolve()), settings)
         (tmp / SERVING_FILE).write_text(f"# Serving this EAGLE-3 head\n\n{serving}")

@@ -108,6 +108,17 @@ def test_refuses_gate_of_another_head_or_a_failed_gate(gated_export, capsys):
     assert "the gate failed" in capsys.readouterr().out
 
 
+def test_refuses_weights_edited_after_export(gated_export):
+    from safetensors.torch import load_file, save_file
+
+    _, out, _, _ = gated_export
+    tensors = load_file(str(out / "model.safetensors"))
+    tensors["norm.weight"] = tensors["norm.weight"] * 2
+    save_file(tensors, str(out / "model.safetensors"))
+    with pytest.raises(PushError, match="changed after `eyas export`"):
+        push(out, "someone/x", dry_run=True)
+
+
 def test_no_token_is_a_clear_error_and_nothing_is_written(gated_export):
     tmp_path, out, _, _ = gated_export
     before = snapshot(out)
