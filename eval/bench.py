@@ -222,6 +222,20 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def speedup_interval(spec_tokens: Sequence[int], spec_s: Sequence[float], plain_tokens: Sequence[int],
+                     plain_s: Sequence[float], samples: int = 1000, seed: int = 0) -> list[float] | None:
+    """95% bootstrap interval of the speedup over prompts: how much the figure moves with the prompt sample."""
+    n = len(spec_tokens)
+    if n < 2:
+        return None
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, n, size=(samples, n))
+    st, ss, pt, ps = (np.asarray(x, dtype=np.float64)[idx].sum(1) for x in (spec_tokens, spec_s, plain_tokens, plain_s))
+    ratios = (st / ss) / (pt / ps)
+    ratios = ratios[np.isfinite(ratios)]
+    return [float(np.percentile(ratios, 2.5)), float(np.percentile(ratios, 97.5))] if ratios.size else None
+
+
 def predicted_speedup(alpha: float, k: int, verify_cost: float = 1.0, draft_cost: float = 0.0,
                       other_cost: float = 0.0) -> float | None:
     """Classic chain estimate: expected tokens per step (1 - alpha^(K+1)) / (1 - alpha), over the cost of a
@@ -291,6 +305,8 @@ def summarize(results: Sequence[PromptResult], greedy: bool, k_alpha: int) -> di
         "spec_tokens_per_s": spec_speed["tokens_per_s"],
         "baseline_tokens_per_s": plain_speed["tokens_per_s"],
         "speedup": ratio(spec_speed["tokens_per_s"], plain_speed["tokens_per_s"]),
+        "speedup_ci95": speedup_interval([len(s.tokens) for s in spec], [r.wall_s["spec"] for r in results],
+                                         [len(s.tokens) for s in plain], [r.wall_s["plain"] for r in results]),
         "ttft_ms": {"baseline": plain_speed["ttft_ms"], "spec": spec_speed["ttft_ms"]},
         "itl_ms": {"baseline": plain_speed["itl_ms"], "spec": spec_speed["itl_ms"]},
         "itl_p99_regression": ratio(spec_speed["itl_ms"]["p99"], plain_speed["itl_ms"]["p99"]) - 1
@@ -384,12 +400,13 @@ def hf_generation_config(model, tokenizer, cfg: DecoderConfig, prompt_lookup: in
     """transformers generate() settings matching the decoders: same length, sampling and end tokens."""
     from transformers import GenerationConfig
 
-    eos = model.generation_config.eos_token_id if model.generation_config.eos_token_id is not None \
-        else tokenizer.eos_token_id
+    from eyas.eval.decoder import eos_token_ids
+
+    eos = sorted(eos_token_ids(model, tokenizer))  # the decoders' own end tokens
     sample = cfg.temperature > 0
     kwargs = dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k) if sample else {}
     return GenerationConfig(max_new_tokens=cfg.max_new_tokens, do_sample=sample, eos_token_id=eos,
-                            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos,
+                            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0],
                             prompt_lookup_num_tokens=prompt_lookup, stop_strings=cfg.stop or None, **kwargs)
 
 

@@ -39,7 +39,9 @@ def summary_rows(report: dict) -> list[tuple[str, str]]:
         ("alpha per position", ", ".join(fmt(a, ".2f") for a in report["alpha_per_position"]) or "-"),
         ("baseline tokens/s", fmt(report["baseline_tokens_per_s"], ".1f")),
         ("speculative tokens/s", fmt(report["spec_tokens_per_s"], ".1f")),
-        ("speedup vs plain decoding", fmt(report["speedup"], ".2f", "x")),
+        ("speedup vs plain decoding", fmt(report["speedup"], ".2f", "x") + (
+            f" (95% CI over prompts {report['speedup_ci95'][0]:.2f}-{report['speedup_ci95'][1]:.2f}x)"
+            if report.get("speedup_ci95") else "")),
         ("speedup vs HF generate()", fmt(report.get("speedup_vs_hf_generate"), ".2f", "x")),
         ("speedup vs prompt lookup", fmt(report.get("speedup_vs_prompt_lookup"), ".2f", "x")),
         ("predicted speedup (alpha, K, costs)", fmt(report.get("cost_model", {}).get("predicted_speedup"), ".2f", "x")),

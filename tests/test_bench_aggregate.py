@@ -160,3 +160,14 @@ def test_token_agreement_counts_the_prefix_before_the_first_divergence():
 def test_plain_json_drops_non_finite_numbers():
     assert plain_json({"a": float("nan"), "b": [np.float32(1.5), float("inf")], 3: np.int64(2)}) == \
         {"a": None, "b": [1.5, None], "3": 2}
+
+
+def test_speedup_interval_brackets_the_pooled_speedup_and_narrows_when_prompts_agree():
+    from eyas.eval.bench import speedup_interval
+
+    plain_tokens, plain_s = [100] * 8, [1.0] * 8
+    noisy = speedup_interval([100] * 8, [0.25, 1.0] * 4, plain_tokens, plain_s)
+    steady = speedup_interval([100] * 8, [0.5] * 8, plain_tokens, plain_s)
+    assert noisy[0] < 1 / 0.625 < noisy[1]
+    assert steady == pytest.approx([2.0, 2.0])
+    assert speedup_interval([10], [1.0], [10], [1.0]) is None
