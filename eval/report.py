@@ -145,14 +145,16 @@ def plot_acceptance(report: dict, path: Path) -> Path:
 def plot_categories(report: dict, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
-    names = list(report["by_category"])
     cats = report["by_category"]
+    labels = [f"{n} (n={c['prompts']})" for n, c in cats.items()]
     fig, (left, right) = plt.subplots(1, 2, figsize=(8, 3.5))
-    left.bar(names, [cats[n]["speedup"] or 0 for n in names], color="tab:green")
+    bars = left.bar(labels, [c["speedup"] or 0 for c in cats.values()], color="tab:green")
+    left.bar_label(bars, fmt="%.2fx", fontsize=8)
     left.axhline(1.0, color="gray", linestyle="--", linewidth=1)
     left.set(title="speedup vs plain decoding", ylabel="x")
-    right.bar(names, [cats[n]["alpha"] or 0 for n in names], color="tab:blue")
-    right.set(title="alpha (chain)", ylim=(0, 1))
+    bars = right.bar(labels, [c["alpha"] or 0 for c in cats.values()], color="tab:blue")
+    right.bar_label(bars, fmt="%.2f", fontsize=8)
+    right.set(title=f"alpha (chain K={report.get('alpha_chain_length')})", ylim=(0, 1))
     for ax in (left, right):
         ax.tick_params(axis="x", rotation=30)
     return _save(fig, path)
