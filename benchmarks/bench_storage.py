@@ -235,9 +235,7 @@ def render_table(rows) -> str:
 def write_markdown(path: Path, table, rows, args, hidden, layer_ids, draft_size, n, tokens, seconds, disk) -> None:
     cmd = "python benchmarks/bench_storage.py " + " ".join(sys.argv[1:])
     speed = ", ".join(f"{name}: {d['tokens'] / d['seconds']:.0f} tok/s" for name, d in disk.items())
-    text = f"""# Feature store: bytes per token and accuracy
-
-Command: `{cmd.strip()}` (CPU, torch threads={args.threads}; the machine was shared with other jobs).
+    text = f"""Command: `{cmd.strip()}` (CPU, torch threads={args.threads}; the machine was shared with other jobs).
 
 Target {args.target} (H={hidden}, aux layers {layer_ids}, fp32), draft vocab {draft_size} (most frequent masked
 tokens of other ShareGPT samples), {n} held-out ShareGPT samples (first assistant turn, <= {args.max_length}
@@ -257,8 +255,22 @@ its accuracy is the bf16 store's (same rounding).
 - The budget was <= 5*H = {5 * hidden} bytes a token with accuracy within 1% of the bf16 store.
 - Collection speed in these runs (noisy, shared 2-core CPU): {speed}.
 """
+    update_section(path, text)
+
+
+BEGIN, END = "<!-- bench_storage:begin -->", "<!-- bench_storage:end -->"
+
+
+def update_section(path: Path, text: str) -> None:
+    """Replace the benchmark's own section of the results file (the hand-written rest is kept), atomically."""
+    old = path.read_text() if path.exists() else "# Feature store: bytes per token and accuracy\n\n"
+    block = f"{BEGIN}\n{text}{END}"
+    if BEGIN in old and END in old:
+        new = old[:old.index(BEGIN)] + block + old[old.index(END) + len(END):]
+    else:
+        new = old.rstrip("\n") + "\n\n" + block + "\n"
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
+    tmp.write_text(new)
     tmp.replace(path)
 
 
