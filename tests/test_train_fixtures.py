@@ -124,3 +124,55 @@ def write_recipe(path, recipe: dict):
 
     Path(path).write_text(yaml.safe_dump(recipe))
     return path
+
+
+def shared_pipeline(tmp_path_factory) -> dict:
+    """The tiny pipeline with its features collected, built once per test session (all train tests reuse it)."""
+    import filelock  # ships with huggingface_hub
+
+    from eyas.data.collect import run_collect
+    from eyas.recipe import from_dict, Recipe
+
+    root = tmp_path_factory.getbasetemp() / "train-pipeline"
+    root.mkdir(exist_ok=True)
+    with filelock.FileLock(str(root) + ".lock"):
+        recipe_file = root / "recipe.yaml"
+        if not recipe_file.exists():
+            recipe = write_tiny_pipeline(root)
+            reset_accelerate()
+            run_collect(from_dict(Recipe, recipe))
+            write_recipe(recipe_file, recipe)
+    import yaml
+
+    return yaml.safe_load(recipe_file.read_text())
+
+
+def fresh_run(recipe: dict, dest, **train) -> dict:
+    """A copy of the pipeline's inputs (data, vocab, features) under `dest`, so each run has its own head/."""
+    import copy
+    import shutil
+    from pathlib import Path
+
+    out = Path(dest) / "run"
+    for stage in ("data", "vocab", "features"):
+        shutil.copytree(Path(recipe["output_dir"]) / stage, out / stage)
+    recipe = copy.deepcopy(recipe)
+    recipe["output_dir"] = str(out)
+    recipe["train"].update(train)
+    return recipe
+
+
+def reset_accelerate() -> None:
+    """accelerate keeps process-wide singletons; in-process runs with other settings need them cleared."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def read_metrics(head_dir, kind: str = "train") -> list[dict]:
+    import json
+    from pathlib import Path
+
+    lines = (Path(head_dir) / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]

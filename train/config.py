@@ -19,7 +19,7 @@ class TrainConfig:
     warmup_steps: int = 50
     min_lr_ratio: float = 0.1
     grad_clip: float = 0.5
-    # no | bf16 | fp16 (fp16 only on CUDA); "auto" picks bf16 where supported.
+    # fp32 | bf16 | fp16 (fp16 only on CUDA); "auto" picks bf16 where supported (CUDA with bf16, and CPUs).
     mixed_precision: str = "auto"
     eval_every: int = 200
     save_every: int = 200

@@ -63,8 +63,11 @@ class TTTModel(nn.Module):
 
 def resolve_mixed_precision(name: str) -> str:
     """accelerate's mixed_precision: "auto" is bf16 where the device has it (CUDA with bf16, and CPUs)."""
-    if name not in ("auto", "no", "bf16", "fp16"):
-        raise TrainingError(f"train.mixed_precision must be auto, no, bf16 or fp16, got '{name}'")
+    if name not in ("auto", "no", "fp32", "bf16", "fp16"):
+        raise TrainingError(f"train.mixed_precision must be auto, fp32 (or 'no', quoted in YAML), bf16 or fp16, "
+                            f"got '{name}'")
+    if name == "fp32":
+        return "no"
     if name == "fp16" and not torch.cuda.is_available():
         raise TrainingError("train.mixed_precision=fp16 needs CUDA; use bf16 or no on CPU")
     if name != "auto":

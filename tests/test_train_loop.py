@@ -1,0 +1,131 @@
+"""The training loop on a tiny real pipeline (random-weight Llama, real tokenizer and text, real collect)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from eyas.configbase import from_dict
+from eyas.data import collect
+from eyas.data.targets import load_tokenizer, target_hash
+from eyas.data.vocab import load_vocab
+from eyas.heads.checkpoint import load_head
+from eyas.recipe import Recipe
+from eyas.train.loop import Features, TrainingError, build_training_head, inputs_hash, lr_factor, run_train
+from eyas.train.loss import ttt_loss
+from test_train_fixtures import fresh_run, read_metrics, reset_accelerate, shared_pipeline, write_recipe
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    return shared_pipeline(tmp_path_factory)
+
+
+def train_in_process(recipe: dict) -> Path:
+    reset_accelerate()
+    return run_train(from_dict(Recipe, recipe))
+
+
+def test_offline_training_writes_heads_metrics_plot_and_done(pipeline, tmp_path):
+    recipe = fresh_run(pipeline, tmp_path)
+    best = train_in_process(recipe)
+    head_dir = best.parent
+    r = from_dict(Recipe, recipe)
+    tokenizer = load_tokenizer(r.target)
+    head, meta = load_head(best, tokenizer=tokenizer, target_vocab_size=len(tokenizer))
+    assert meta["target_hash"] == target_hash(recipe["target"]["name_or_path"])
+    assert head.config.aux_layer_ids == [0, 1, 2]
+    d2t, t2d = load_vocab(Path(recipe["output_dir"]) / "vocab")
+    assert torch.equal(head.d2t, d2t) and torch.equal(head.t2d, t2d)
+    load_head(head_dir / "last")
+
+    train = read_metrics(head_dir)
+    val = read_metrics(head_dir, "val")
+    assert [m["step"] for m in train] == list(range(1, 7)) and [m["step"] for m in val] == [3, 6]
+    assert train[-1]["loss"] < train[0]["loss"]  # it learns
+    assert meta["training"]["val"]["tau_sim"] == max(v["tau_sim"] for v in val)
+    assert len(val[0]["step_acc"]) == 3 and val[0]["tau_positions"] > 0
+    assert (head_dir / "training.png").read_bytes()[:4] == b"\x89PNG"
+    done = json.loads((head_dir / "DONE.json").read_text())
+    assert done["input_hash"] == inputs_hash(r) and done["steps"] == 6
+    assert json.loads((head_dir / "state" / "progress.json").read_text())["step"] == 6
+
+
+def test_online_and_offline_give_the_same_loss_on_the_same_batch(pipeline, tmp_path):
+    offline = from_dict(Recipe, pipeline)
+    online = from_dict(Recipe, dict(pipeline, collect=dict(pipeline["collect"], mode="online")))
+    vocab = load_vocab(offline.stage_dir("vocab"))
+    from transformers import AutoConfig
+
+    head = build_training_head(offline, AutoConfig.from_pretrained(offline.target.name_or_path), vocab)
+    losses = []
+    for recipe in (offline, online):
+        features = Features(recipe, vocab, torch.device("cpu"))
+        data = features.datasets["train"]
+        batch, teacher = features(collect.collate([data[i] for i in (3, 11, 17)]))
+        from eyas.train.loop import load_target_embedding
+
+        weight = load_target_embedding(Path(recipe.target.name_or_path))
+        out = ttt_loss(head, weight, dict(batch, aux=batch["aux"].float()), teacher, ttt_steps=3)
+        losses.append(out)
+    assert losses[0].step_count.tolist() == losses[1].step_count.tolist() and losses[0].step_count[0] > 20
+    torch.testing.assert_close(losses[0].step_losses, losses[1].step_losses, atol=1e-5, rtol=1e-5)
+
+
+def test_non_finite_loss_stops_with_a_clear_message(pipeline, tmp_path):
+    recipe = fresh_run(pipeline, tmp_path, lr=1e8, eval_every=1, max_steps=3, mixed_precision="fp32")
+    with pytest.raises(TrainingError, match="non-finite .* at step 2.*last good head"):
+        train_in_process(recipe)
+    head_dir = Path(recipe["output_dir"]) / "head"
+    last, _ = load_head(head_dir / "last")  # from step 1, finite
+    assert all(torch.isfinite(p).all() for p in last.parameters())
+    assert not (head_dir / "DONE.json").exists()
+
+
+def test_lr_schedule_warms_up_then_decays_to_min_ratio():
+    f = [lr_factor(s, warmup=4, total=20, min_ratio=0.1) for s in range(21)]
+    assert f[:4] == [0.25, 0.5, 0.75, 1.0] and f[4] == 1.0
+    assert all(a >= b for a, b in zip(f[4:], f[5:])) and f[20] == pytest.approx(0.1)
+
+
+def test_kill_9_then_resume_gives_the_same_loss_curve(pipeline, tmp_path):
+    steps = dict(max_steps=14, save_every=3, eval_every=14, log_every=1, mixed_precision="fp32")
+    reference = fresh_run(pipeline, tmp_path / "ref", **steps)
+    killed = fresh_run(pipeline, tmp_path / "killed", **steps)
+    recipe_file = write_recipe(tmp_path / "killed.yaml", killed)
+    head_dir = Path(killed["output_dir"]) / "head"
+    cmd = [sys.executable, "-m", "eyas.train", str(recipe_file)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    progress = head_dir / "state" / "progress.json"
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if progress.exists() and json.loads(progress.read_text())["step"] >= 6:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert not (head_dir / "DONE.json").exists(), "the run finished before the kill; nothing was tested"
+    saved_step = json.loads(progress.read_text())["step"]
+    assert 6 <= saved_step < 14
+
+    resumed = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert f"resuming from {head_dir / 'state'} at step {saved_step}" in resumed.stdout
+
+    train_in_process(reference)
+    want = read_metrics(Path(reference["output_dir"]) / "head")
+    got = read_metrics(head_dir)
+    assert [m["step"] for m in got] == list(range(1, 15))
+    for a, b in zip(want, got):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-6), a["step"]
+        assert a["lr"] == pytest.approx(b["lr"], rel=1e-9)
