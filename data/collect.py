@@ -458,7 +458,7 @@ def write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> dict:
     return {"sha256": sha256_bytes(data), "bytes": len(data)}
 
 
-def batch_tokens(split_ds, rows: list[int], where: str) -> list[dict[str, torch.Tensor]]:
+def batch_tokens(split_ds, rows: list[int], where: str, vocab_size: int) -> list[dict[str, torch.Tensor]]:
     """input_ids/loss_mask of some rows of the prepared split, checked."""
     records = split_ds[rows]
     record_ids = records.get("record_id") or rows
@@ -469,6 +469,10 @@ def batch_tokens(split_ds, rows: list[int], where: str) -> list[dict[str, torch.
         if len(mask) != len(ids):
             raise FeatureStoreError(f"{where}: record {rid} (row {row}): field 'loss_mask' has {len(mask)} "
                                     f"values, 'input_ids' has {len(ids)}")
+        if min(ids) < 0 or max(ids) >= vocab_size:
+            raise FeatureStoreError(f"{where}: record {rid} (row {row}): field 'input_ids' holds id "
+                                    f"{max(ids) if max(ids) >= vocab_size else min(ids)} outside the target "
+                                    f"vocabulary [0, {vocab_size}); was the data prepared with another tokenizer?")
         samples.append({"input_ids": torch.tensor(ids, dtype=torch.int32),
                         "loss_mask": torch.tensor(mask, dtype=torch.uint8)})
     return samples
@@ -479,7 +483,7 @@ def collect_shard(features: OnlineFeatures, split_ds, batches: list[list[int]], 
     parts: dict[str, list[torch.Tensor]] = {}
     rows, lengths = [], []
     for batch_rows in batches:
-        samples = batch_tokens(split_ds, batch_rows, where)
+        samples = batch_tokens(split_ds, batch_rows, where, features.t2d.numel())
         stored = {k: v.cpu() for k, v in features.encode(collate(samples)).items()}
         for i, sample in enumerate(samples):
             n = len(sample["input_ids"])
@@ -640,8 +644,9 @@ def run_collect(recipe) -> Path:
         write_teacher(out, features)
 
     for split, ds in splits.items():
+        where = f"{recipe.stage_dir('data')} ({split} split)"
         collect_split(out, split, ds, lengths_of[split], plans[split][rank], done_shards[split], features,
-                      rank, state)
+                      rank, state, where)
     state.wait_for_everyone()
 
     if state.is_main_process:
@@ -690,8 +695,7 @@ def plan_digest(plan) -> str:
 
 
 def collect_split(out: Path, split: str, ds, lengths: list[int], plan, finished: dict, features: OnlineFeatures,
-                  rank: int, state) -> None:
-    where = f"{split} split of the prepared dataset"
+                  rank: int, state, where: str) -> None:
     todo = [(n, shard) for n, shard in enumerate(plan) if shard_name(split, rank, n) not in finished]
     tokens = sum(lengths[i] for _, shard in todo for b in shard for i in b)
     progress = {"plan": plan_digest(plan), "shards": dict(finished)}

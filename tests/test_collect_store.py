@@ -253,7 +253,14 @@ def test_bad_records_and_vocab_are_named(tmp_path, tiny_target):
     shutil.rmtree(recipe.stage_dir("data"))
     datasets.DatasetDict(train=datasets.Dataset.from_dict(rows), validation=token_rows(2, 2)).save_to_disk(
         str(recipe.stage_dir("data")))
-    with pytest.raises(FeatureStoreError, match="train split.*record s1-2.*field 'loss_mask'"):
+    with pytest.raises(FeatureStoreError, match=r"data \(train split\): record s1-2 \(row 2\): field 'loss_mask'"):
+        run_collect(recipe)
+    rows = token_rows(4, 1).to_dict()
+    rows["input_ids"][1][0] = VOCAB + 5
+    shutil.rmtree(recipe.stage_dir("data"))
+    datasets.DatasetDict(train=datasets.Dataset.from_dict(rows), validation=token_rows(2, 2)).save_to_disk(
+        str(recipe.stage_dir("data")))
+    with pytest.raises(FeatureStoreError, match=f"record s1-1 \\(row 1\\): field 'input_ids' holds id {VOCAB + 5}"):
         run_collect(recipe)
     write_vocab(recipe.stage_dir("vocab"), torch.arange(0, 100, 3), vocab_size=100)
     with pytest.raises(FeatureStoreError, match="100 target tokens, the target's lm_head has 384"):
