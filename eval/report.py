@@ -55,8 +55,8 @@ def summary_rows(report: dict) -> list[tuple[str, str]]:
 
 
 def category_table(report: dict) -> list[str]:
-    lines = ["| category | prompts | tau | alpha | speedup | spec tok/s | plain tok/s | ITL p99 ms (plain/spec) | lossless |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| category | prompts | tau | alpha | speedup | spec tok/s | plain tok/s | ITL p99 ms (plain/spec) "
+             "| lossless |", "|---|---|---|---|---|---|---|---|---|"]
     for name, c in report["by_category"].items():
         lines.append(
             f"| {name} | {c['prompts']} | {fmt(c['tau'], '.2f')} | {fmt(c['alpha'], '.3f')} | "
@@ -71,7 +71,8 @@ def time_split_table(report: dict) -> list[str]:
     for name in ("baseline", "spec", "chain"):
         if name in report:
             t = report[name]["time_ms_per_token"]
-            lines.append(f"| {name} | {fmt(t['target'], '.2f')} | {fmt(t['draft'], '.2f')} | {fmt(t['other'], '.2f')} |")
+            parts = " | ".join(fmt(t[part], ".2f") for part in ("target", "draft", "other"))
+            lines.append(f"| {name} | {parts} |")
     return lines
 
 
@@ -97,8 +98,9 @@ def write_summary(report: dict, path: str | Path) -> Path:
         f"Head `{report['head']['path']}` (sha256 `{report['head']['sha256'][:16]}`) on target "
         f"`{report['target']['name']}` (sha256 `{report['target']['sha256'][:16]}`), "
         f"{report['environment']['device']} {report['environment']['dtype']}, decoder mode "
-        f"`{report['decoder']['mode']}`, {report['prompts']} prompts, max {report['decoder']['max_new_tokens']} new tokens, "
-        f"temperature {report['decoder']['temperature']}.", "",
+        f"`{report['decoder']['mode']}`, {report['prompts']} prompts, "
+        f"max {report['decoder']['max_new_tokens']} new tokens, temperature {report['decoder']['temperature']}.",
+        "",
         "| figure | value |", "|---|---|",
     ]
     lines += [f"| {k} | {v} |" for k, v in summary_rows(report)]

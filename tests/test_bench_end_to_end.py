@@ -51,6 +51,16 @@ def tiny_target_dir(root: Path, tokenizer) -> tuple[Path, LlamaForCausalLM]:
     return path, model
 
 
+def favourite_token(model, tokenizer, prompts: list[dict], decoder: DecoderConfig) -> int:
+    """The token the target emits most on these prompts: the constant head's only real proposal."""
+    plain = PlainDecoder(model, tokenizer, decoder)
+    emitted = Counter()
+    for i, p in enumerate(prompts):
+        prompt = BenchPrompt(line=i + 1, category=p["category"], messages=p.get("messages"), prompt=p.get("prompt"))
+        emitted.update(plain.generate(encode_prompt(tokenizer, prompt)).tokens)
+    return emitted.most_common(1)[0][0]
+
+
 def constant_proposal_head(model, tokenizer, favourite: int, path: Path, tokenizer_sha: str) -> Path:
     config = Eagle3Config.from_target(model.config, draft_vocab_size=8, aux_layer_ids=[1, 2, 3])
     head = build_head(dataclasses.replace(config, mlp_bias=True))
@@ -84,13 +94,7 @@ def bench_run(tmp_path_factory, one_thread):
     target_dir, model = tiny_target_dir(root, tokenizer)
     prompts_file = root / "prompts.jsonl"
     prompts_file.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
-    # The token the target emits most on these prompts becomes the head's only real proposal.
-    plain = PlainDecoder(model, tokenizer, DECODER)
-    emitted = Counter()
-    for i, p in enumerate(PROMPTS[:3]):
-        bench_prompt = BenchPrompt(line=i + 1, category=p["category"], messages=p.get("messages"), prompt=p.get("prompt"))
-        emitted.update(plain.generate(encode_prompt(tokenizer, bench_prompt)).tokens)
-    favourite = emitted.most_common(1)[0][0]
+    favourite = favourite_token(model, tokenizer, PROMPTS[:3], DECODER)
     head_dir = constant_proposal_head(model, tokenizer, favourite, root / "head", tokenizer_hash(tokenizer))
     recipe = Recipe(output_dir=str(root / "run"),
                     target=TargetConfig(name_or_path=str(target_dir), dtype="float32", device="cpu"),
@@ -196,13 +200,8 @@ def test_real_smollm2_bench_is_lossless_and_agrees_with_transformers(tmp_path, o
     prompts_file = tmp_path / "prompts.jsonl"
     prompts_file.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
     decoder = dataclasses.replace(DECODER, max_new_tokens=32)
-    plain = PlainDecoder(model, tokenizer, decoder)
-    emitted = Counter()
-    for i, p in enumerate(PROMPTS[:2]):
-        bench_prompt = BenchPrompt(line=i + 1, category=p["category"], messages=p.get("messages"), prompt=p.get("prompt"))
-        emitted.update(plain.generate(encode_prompt(tokenizer, bench_prompt)).tokens)
-    head_dir = constant_proposal_head(model, tokenizer, emitted.most_common(1)[0][0], tmp_path / "head",
-                                      tokenizer_hash(tokenizer))
+    head_dir = constant_proposal_head(model, tokenizer, favourite_token(model, tokenizer, PROMPTS[:2], decoder),
+                                      tmp_path / "head", tokenizer_hash(tokenizer))
     recipe = Recipe(output_dir=str(tmp_path / "run"), target=TargetConfig(dtype="float32", device="cpu"),
                     bench=BenchConfig(num_prompts=2, warmup=1, decoder=decoder))
     report = json.loads(run_bench(recipe, head_dir=head_dir, prompts=prompts_file).read_text())
