@@ -55,7 +55,8 @@ TEACHER = "teacher.safetensors"
 SPLITS = ("train", "validation")
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
-FEATURE_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float8_e4m3": FP8, "fp8": FP8}
+FEATURE_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float8_e4m3": FP8, "float8_e4m3fn": FP8,
+                  "fp8": FP8}
 TOPK_DTYPES = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 TEACHERS = ("last_hidden", "topk")
 
@@ -224,14 +225,14 @@ class OnlineFeatures:
         ids = batch["input_ids"].to(self.device)
         mask = batch["attention_mask"].to(self.device).long()
         aux, final = target_features(self.model, ids, self.layer_ids, attention_mask=mask)
-        out = encode_aux(aux, self.cfg)
+        out = encode_aux(aux.to(self.device), self.cfg)
         out.update(self.teacher_fields(final))
         return out
 
     def teacher_fields(self, final: torch.Tensor) -> dict[str, torch.Tensor]:
         """target_in_draft and the teacher from the final normed hidden [B,T,H], in chunks of positions."""
         b, t, h = final.shape
-        flat = final.reshape(b * t, h)
+        flat = final.to(self.device).reshape(b * t, h)  # with device_map the lm_head may sit on another GPU
         in_draft, top_ids, top_logits = [], [], []
         for start in range(0, flat.shape[0], self.cfg.logits_chunk):
             logits = logits_from_final_hidden(self.model, flat[start:start + self.cfg.logits_chunk])
@@ -246,7 +247,7 @@ class OnlineFeatures:
             out["teacher_topk_ids"] = torch.cat(top_ids).reshape(b, t, -1)
             out["teacher_topk_logits"] = torch.cat(top_logits).reshape(b, t, -1)
         else:
-            out["teacher_hidden"] = final.to(torch.bfloat16)
+            out["teacher_hidden"] = final.to(self.device, torch.bfloat16)
         return out
 
     def __call__(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -287,4 +287,6 @@ def target_features(model, input_ids: torch.Tensor, layer_ids: list[int],
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     with capture_aux_hidden(model, layer_ids) as aux:
         out = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    return torch.cat(aux, dim=-1), out.last_hidden_state
+    # With device_map the aux layers can sit on different GPUs: gather them where the output is.
+    last = out.last_hidden_state
+    return torch.cat([a.to(last.device) for a in aux], dim=-1), last
