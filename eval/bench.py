@@ -6,6 +6,21 @@ Acceptance is counted the way vLLM counts it (pooled over all requests), alpha a
 exported, and losslessness is checked token by token against plain greedy decoding.
 
     report = run_bench(load_recipe("smollm2-135m-cpu"))   # -> runs/.../bench/report.json
+
+Main report.json fields (the same figures again per category under `by_category`):
+    tau                  1 + accepted / drafts, pooled over every verify step of every prompt (vLLM's mean
+                         acceptance length), for the configured decoder (chain or tree)
+    alpha                accepted / proposed draft tokens of a chain of the exported length K (a separate chain
+                         pass when the decoder is a tree); alpha_per_position[i] = accepted at depth i / drafts
+                         that reached depth i
+    *_tokens_per_s       generated tokens / wall time around generate(), summed over prompts
+    speedup              spec_tokens_per_s / baseline_tokens_per_s (same target, cache and dtype), with a
+                         bootstrap 95% interval over prompts; speedup_vs_hf_generate / _vs_prompt_lookup likewise
+    ttft_ms, itl_ms      p50/p90/p99 per decoder; an ITL is the gap between token arrivals, tokens accepted in one
+                         verify step arriving together (as a streaming client sees them)
+    lossless             greedy speculative tokens == plain tokens on every prompt (exact only in fp32)
+    cost_model           verify/draft/other cost per step relative to a plain step, and the speedup that alpha,
+                         K and those costs predict
 """
 
 from __future__ import annotations

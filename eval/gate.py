@@ -154,6 +154,9 @@ def format_checks(checks: list[Check], report_path: Path, head_hash: str) -> str
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     lines = [f"eyas gate: {report_path} (head sha256 {head_hash[:16]})"]
     lines += ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
+    if not checks:
+        lines.append("verdict: FAIL (no threshold is set, so nothing was verified; set gate.min_alpha or a flag)")
+        return "\n".join(lines)
     verdict = all(c.passed for c in checks)
     lines.append(f"verdict: {'PASS' if verdict else 'FAIL'} ({sum(not c.passed for c in checks)} of {len(checks)} "
                  "checks failed)")

@@ -155,3 +155,10 @@ def test_push_check_is_tied_to_the_head_hash_and_the_report_content(tmp_path):
     # A failed gate is not a pass, even for the right head.
     assert run_gate(path, min_alpha=1.0) == 1
     assert gate_passed_for(HEAD, path) is False
+
+
+def test_a_gate_with_nothing_to_check_does_not_pass(tmp_path, capsys):
+    path = write_report(tmp_path, crafted_report(lossless_exact_expected=False))
+    assert run_gate(path, recipe=GateConfig(min_alpha=None)) == 1
+    assert "nothing was verified" in capsys.readouterr().out
+    assert not gate_passed_for(HEAD, path)
