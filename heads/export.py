@@ -334,6 +334,7 @@ def export_head(head_dir: str | Path, fmt: str, out_dir: str | Path, report: str
     if dtype not in DTYPES:
         raise ValueError(f"export dtype '{dtype}' is not one of {', '.join(DTYPES)}")
     head_dir, out_dir = Path(head_dir), Path(out_dir)
+    head_hash = head_content_hash(head_dir)  # before loading: the hash names what was read, not what came after
     head, meta = load_head(head_dir)
     report_data = read_report(report)
     settings = serving_settings(report_data, num_speculative_tokens)
@@ -366,7 +367,7 @@ def export_head(head_dir: str | Path, fmt: str, out_dir: str | Path, report: str
         "format": fmt,
         "dtype": dtype,
         "source_head": str(head_dir.resolve()),
-        "source_head_hash": head_content_hash(head_dir),
+        "source_head_hash": head_hash,
         "bench_report": str(Path(report).resolve()) if report else None,
         "verifier": verifier,
         "target": meta.get("target"),
