@@ -76,9 +76,11 @@ def regenerate_groups(recipe, tokenizer, groups, out: Path) -> list[tuple[Corpus
 
 
 def held_out_prompts(samples: list[Sample], records: dict[str, Record], tokenizer, per_category: int) -> list[dict]:
-    """Prompts from validation records: chat up to the first answer; code, the first half of a piece."""
+    """Prompts from validation records: chat up to the first answer; code, its real prompt (HumanEval)
+    or else the first half of a document piece. Records with a real prompt are taken first."""
     prompts, taken = [], Counter()
-    for s in samples:
+    pieces_last = sorted(samples, key=lambda s: "#" in s.record_id)
+    for s in pieces_last:
         if taken[s.category] >= per_category:
             continue
         record = records[parent_id(s.record_id)]

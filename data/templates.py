@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from tqdm import tqdm
+
 from eyas.data.corpora import Record
 
 
@@ -122,6 +124,8 @@ def _char_limit(offsets: list[tuple[int, int]], max_length: int) -> int | None:
 def render_chat(tokenizer, records: list[Record], max_length: int, overflow: str, min_assistant_tokens: int,
                 skipped: Counter) -> list[Sample]:
     """Samples for chat records: template text, tokenised in one batch, masked turn by turn."""
+    if not records:
+        return []
     check_tokenizer(tokenizer)
     specials = special_ids(tokenizer)
     texts, kept = [], []
@@ -181,9 +185,16 @@ def render_completion(tokenizer, records: list[Record], max_length: int, overflo
 
 
 def render_records(tokenizer, records: list[Record], max_length: int, overflow: str = "truncate",
-                   min_assistant_tokens: int = 1, skipped: Counter | None = None) -> list[Sample]:
+                   min_assistant_tokens: int = 1, skipped: Counter | None = None, block: int = 256) -> list[Sample]:
+    """Samples for chat and completion records, tokenised in blocks (batch calls) under a progress bar."""
     skipped = skipped if skipped is not None else Counter()
-    chat = [r for r in records if r.is_chat]
-    completion = [r for r in records if not r.is_chat]
-    return (render_chat(tokenizer, chat, max_length, overflow, min_assistant_tokens, skipped)
-            + render_completion(tokenizer, completion, max_length, overflow, min_assistant_tokens, skipped))
+    samples = []
+    with tqdm(total=len(records), desc="render", unit="rec", disable=len(records) <= block) as bar:
+        for start in range(0, len(records), block):
+            part = records[start:start + block]
+            chat = [r for r in part if r.is_chat]
+            completion = [r for r in part if not r.is_chat]
+            samples += render_chat(tokenizer, chat, max_length, overflow, min_assistant_tokens, skipped)
+            samples += render_completion(tokenizer, completion, max_length, overflow, min_assistant_tokens, skipped)
+            bar.update(len(part))
+    return samples

@@ -197,3 +197,12 @@ def test_tokenizer_without_chat_template_is_a_clear_error(smollm):
     tok.chat_template = None
     with pytest.raises(TemplateError, match="no chat template"):
         render_one(tok, CONVERSATION)
+
+
+def test_base_tokenizer_without_template_still_renders_code(smollm):
+    import copy
+
+    tok = copy.deepcopy(smollm)
+    tok.chat_template = None
+    samples = render_records(tok, [Record("d", "s", "code", completion="import os\nprint(os.getcwd())\n")], 64)
+    assert len(samples) == 1 and sum(samples[0].loss_mask) == len(samples[0].input_ids) - 1
