@@ -113,7 +113,9 @@ def test_round_trip_matches_the_target_run_alone(tmp_path, tiny_target, teacher,
             full_logits = final @ model.lm_head.weight.T
             assert torch.equal(item["target_in_draft"], t2d[full_logits.argmax(-1)])
             assert item["aux"].dtype == torch.bfloat16 and item["aux"].shape == aux.shape
-            rel = 2 ** -8 if feature_dtype == "bfloat16" else 2 ** -4  # half an ulp of bf16 / fp8 e4m3
+            # Worst rounding relative to the group max: bf16 half an ulp (2^-9 of |x|); fp8 e4m3 with the max scaled
+            # into [224, 448] rounds by at most half its top step (16), i.e. 16/224 = 1/14 of the max.
+            rel = 2 ** -8 if feature_dtype == "bfloat16" else 1 / 14
             scale = aux.view(len(aux), 3, -1).abs().amax(-1, keepdim=True).expand(-1, -1, 32).reshape(aux.shape)
             assert ((item["aux"].float() - aux).abs() <= rel * scale + 1e-6).all()
             draft_logits = full_logits[:, draft_ids]
@@ -157,7 +159,8 @@ def test_fp8_quantisation_is_exact_to_dequantise_and_bounded():
     assert torch.equal(dequantize_fp8(q, exp, torch.bfloat16).float(), back)  # power-of-two scale: exact in bf16
     groups, back_groups = x.view(50, 3, 64), back.view(50, 3, 64)
     amax = groups.abs().amax(-1, keepdim=True)
-    assert ((back_groups - groups).abs() <= amax / 16 + 1e-30).all()
+    assert ((back_groups - groups).abs() <= amax / 14 + 1e-30).all()  # half the top fp8 step (16) over 224
+    assert ((back_groups - groups).abs() <= groups.abs() / 16 + amax * 2 ** -10).all()  # 3 mantissa bits
     assert (back[7, :64] == 0).all()
     group_max = q.float().view(50, 3, 64).abs().amax(-1)[amax[..., 0] > 0]
     assert ((group_max >= 224) & (group_max <= 448)).all()  # the scale uses the fp8 range
