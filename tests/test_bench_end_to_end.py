@@ -92,14 +92,17 @@ def bench_run(tmp_path_factory, one_thread):
     root = tmp_path_factory.mktemp("bench_e2e")
     tokenizer = load_tokenizer(TargetConfig())
     target_dir, model = tiny_target_dir(root, tokenizer)
-    prompts_file = root / "prompts.jsonl"
-    prompts_file.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
-    favourite = favourite_token(model, tokenizer, PROMPTS[:3], DECODER)
-    head_dir = constant_proposal_head(model, tokenizer, favourite, root / "head", tokenizer_hash(tokenizer))
     recipe = Recipe(output_dir=str(root / "run"),
                     target=TargetConfig(name_or_path=str(target_dir), dtype="float32", device="cpu"),
                     bench=BenchConfig(num_prompts=3, warmup=1, decoder=DECODER))
-    report_path = run_bench(recipe, head_dir=head_dir, prompts=prompts_file)
+    # Where the data and train stages leave them, so run_bench finds both by default.
+    prompts_file = recipe.stage_dir("data") / "prompts.jsonl"
+    prompts_file.parent.mkdir(parents=True)
+    prompts_file.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    favourite = favourite_token(model, tokenizer, PROMPTS[:3], DECODER)
+    head_dir = constant_proposal_head(model, tokenizer, favourite, recipe.stage_dir("head") / "best",
+                                      tokenizer_hash(tokenizer))
+    report_path = run_bench(recipe)
     return {"report_path": report_path, "report": json.loads(report_path.read_text()), "head_dir": head_dir,
             "recipe": recipe, "prompts": prompts_file, "root": root, "model": model, "tokenizer": tokenizer}
 
@@ -152,10 +155,15 @@ def test_categories_hashes_and_outputs_on_disk(bench_run):
     assert not list(out.glob(".*tmp*"))  # atomic writes leave no temporaries
 
 
-def test_an_unchanged_bench_is_not_measured_again(bench_run, capsys):
+def test_an_unchanged_bench_is_not_measured_again_through_the_cli(bench_run, capsys):
+    from eyas.cli import main
+    from eyas.recipe import dump_recipe
+
     report_path = bench_run["report_path"]
     before = report_path.stat().st_mtime_ns
-    assert run_bench(bench_run["recipe"], head_dir=bench_run["head_dir"], prompts=bench_run["prompts"]) == report_path
+    recipe_file = bench_run["root"] / "recipe.yaml"
+    recipe_file.write_text(dump_recipe(bench_run["recipe"]))
+    assert main(["bench", str(recipe_file)]) == 0
     assert "up to date" in capsys.readouterr().out
     assert report_path.stat().st_mtime_ns == before
     done = json.loads((report_path.parent / "DONE.json").read_text())
@@ -163,9 +171,12 @@ def test_an_unchanged_bench_is_not_measured_again(bench_run, capsys):
 
 
 def test_gate_on_a_real_report_ties_the_verdict_to_the_head(bench_run):
+    from eyas.cli import main
+
     report_path, report = bench_run["report_path"], bench_run["report"]
-    assert run_gate(report_path, min_alpha=0.0) == 0
+    assert main(["gate", str(report_path), "--min-alpha", "0", "--weights", "chat=0.5,code=0.5"]) == 0
     assert gate_passed_for(report["head"]["sha256"], report_path)
+    assert run_gate(report_path, min_alpha=0.0) == 0
     assert run_gate(report_path, min_alpha=0.0, min_speedup=1e6) == 1
     assert not gate_passed_for(report["head"]["sha256"], report_path)
 
