@@ -116,7 +116,9 @@ def save_dataset(splits: dict[str, list[Sample]], out: Path) -> None:
 
     staging = out / f".staging-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
-    DatasetDict({name: to_dataset(s) for name, s in splits.items()}).save_to_disk(str(staging))
+    # An empty split needs an explicit shard, or save_to_disk writes none and load_from_disk fails.
+    DatasetDict({name: to_dataset(s) for name, s in splits.items()}).save_to_disk(
+        str(staging), num_shards={name: 1 if not s else None for name, s in splits.items()})
     for entry in staging.iterdir():
         target = out / entry.name
         if target.is_dir():

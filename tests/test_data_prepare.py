@@ -103,6 +103,9 @@ def test_overflow_drop_and_duplicates_are_counted(tmp_path):
     assert stats["render_skipped"] == {"too_long": 1} and stats["corpora"][0]["skipped"] == {"duplicate": 1}
     assert stats["corpora"][0]["render_skipped"] == {"too_long": 1} and stats["corpora"][0]["samples"] == 1
     assert stats["splits"]["train"]["samples"] == 1 and stats["splits"]["validation"]["samples"] == 0
+    from datasets import load_from_disk
+
+    assert len(load_from_disk(str(recipe.stage_dir("data")))["validation"]) == 0  # an empty split still loads
 
 
 def test_real_sharegpt_sample_from_a_recipe_file(tmp_path):

@@ -88,3 +88,36 @@ def test_max_records_limits_the_chat_records(tiny_model, tokenizer, tmp_path):
     assert [r.record_id for r in out] == ["id0", "id1", "code0"]
     lines = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
     assert sorted(item["record_id"] for item in lines) == ["id0", "id1"]
+
+
+def test_prepare_with_regeneration_uses_the_targets_answers(tiny_model, tokenizer, tmp_path):
+    """run_prepare end to end on a tiny random target saved as a local model directory."""
+    from datasets import load_from_disk
+
+    from eyas.data.config import CorpusConfig, DataConfig
+    from eyas.data.prepare import run_prepare
+    from eyas.recipe import Recipe
+
+    target = tmp_path / "tiny-target"
+    tiny_model.save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    items = [{"conversations": [{"from": "human", "value": f"Question {i}?"},
+                                {"from": "gpt", "value": "An original answer that is long enough."},
+                                {"from": "human", "value": "More?"}, {"from": "gpt", "value": "Later turn."}]}
+             for i in range(5)]
+    (tmp_path / "chat.json").write_text(json.dumps(items))
+    recipe = Recipe(output_dir=str(tmp_path / "run"))
+    recipe.target.name_or_path = str(target)
+    recipe.data = DataConfig(corpora=[CorpusConfig(kind="json", path=str(tmp_path / "chat.json"))], regenerate=True,
+                             regenerate_max_new_tokens=10, regenerate_batch_size=2, validation_fraction=0.0,
+                             min_assistant_tokens=1)
+    out = run_prepare(recipe)
+    answers = regen.read_done(out / "regenerated.jsonl")
+    assert len(answers) == 5
+    train = load_from_disk(str(out))["train"]
+    assert len(train) == 5
+    for ids, mask, rid in zip(train["input_ids"], train["loss_mask"], train["record_id"]):
+        text = tokenizer.decode(ids)
+        assert "original answer" not in text and "Later turn" not in text
+        masked = tokenizer.decode([t for t, m in zip(ids, mask) if m])
+        assert masked.startswith(answers[rid][:5])
