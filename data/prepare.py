@@ -4,7 +4,7 @@
                           source, record_id, category
     data/prompts.jsonl    held-out prompts from validation, ending right before an assistant turn
     data/stats.json       records in/out per reason per corpus, tokens, masked tokens
-    data/regenerated.jsonl  the target's answers when data.regenerate (resume log)
+    data/regenerated-<settings hash>.jsonl  the target's answers when data.regenerate (resume log)
     data/DONE.json        hash of the inputs, written last
 """
 
@@ -62,6 +62,13 @@ def load_corpora(recipe) -> list[tuple[CorpusStats, list[Record]]]:
     return groups
 
 
+def regeneration_log(recipe, out: Path) -> Path:
+    """The resume log, one per target and generation settings, so changed settings never reuse old answers."""
+    cfg = recipe.data
+    settings = [recipe.section_hash("target"), cfg.regenerate_max_new_tokens, cfg.regenerate_temperature, cfg.seed]
+    return out / f"regenerated-{hashlib.sha256(json.dumps(settings).encode()).hexdigest()[:12]}.jsonl"
+
+
 def regenerate_groups(recipe, tokenizer, groups, out: Path) -> list[tuple[CorpusStats, list[Record]]]:
     from eyas.data.regenerate import regenerate
     from eyas.data.targets import load_target
@@ -69,7 +76,7 @@ def regenerate_groups(recipe, tokenizer, groups, out: Path) -> list[tuple[Corpus
     cfg = recipe.data
     model, _ = load_target(recipe.target)
     records = [r for _, found in groups for r in found]
-    answered = {r.record_id: r for r in regenerate(model, tokenizer, records, out / "regenerated.jsonl",
+    answered = {r.record_id: r for r in regenerate(model, tokenizer, records, regeneration_log(recipe, out),
                                                    cfg.regenerate_max_new_tokens, cfg.regenerate_batch_size,
                                                    cfg.regenerate_temperature, cfg.regenerate_max_records, cfg.seed)}
     return [(stats, [answered[r.record_id] for r in found if r.record_id in answered]) for stats, found in groups]

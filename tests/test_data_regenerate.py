@@ -112,7 +112,8 @@ def test_prepare_with_regeneration_uses_the_targets_answers(tiny_model, tokenize
                              regenerate_max_new_tokens=10, regenerate_batch_size=2, validation_fraction=0.0,
                              min_assistant_tokens=1)
     out = run_prepare(recipe)
-    answers = regen.read_done(out / "regenerated.jsonl")
+    [log] = out.glob("regenerated-*.jsonl")
+    answers = regen.read_done(log)
     assert len(answers) == 5
     train = load_from_disk(str(out))["train"]
     assert len(train) == 5
@@ -121,3 +122,14 @@ def test_prepare_with_regeneration_uses_the_targets_answers(tiny_model, tokenize
         assert "original answer" not in text and "Later turn" not in text
         masked = tokenizer.decode([t for t, m in zip(ids, mask) if m])
         assert masked.startswith(answers[rid][:5])
+
+
+def test_regeneration_log_depends_on_the_generation_settings(tmp_path):
+    from eyas.data.prepare import regeneration_log
+    from eyas.recipe import Recipe
+
+    recipe = Recipe(output_dir=str(tmp_path))
+    first = regeneration_log(recipe, tmp_path)
+    assert regeneration_log(recipe, tmp_path) == first
+    recipe.data.regenerate_max_new_tokens = 32
+    assert regeneration_log(recipe, tmp_path) != first
