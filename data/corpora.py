@@ -16,7 +16,6 @@ import glob as globlib
 import gzip
 import hashlib
 import json
-import os
 import re
 import sysconfig
 from collections import Counter
