@@ -9,7 +9,10 @@ import torch
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Tests use tiny models: one thread is as fast, and it avoids oversubscription when subprocess tests
+# (2-process accelerate launches) run beside the main process on a 2-core machine.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
 
 
 def tiny_config(arch: str = "llama", vocab_size: int = 512, layers: int = 6):
