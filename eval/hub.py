@@ -138,7 +138,8 @@ def push(export_dir, repo_id: str, report=None, dry_run: bool = False, force: bo
         print(f"eyas push: warning: the export names a local verifier path ({info['verifier']}); "
               "re-export with --verifier <Hub id> so others can load it")
     plots = sorted(report_path.parent.glob("*.png")) if report_path else []
-    card = build_card(info, report_data, gate, passed, forced=not passed, reason=reason, repo_id=repo_id,
+    card_reason = reason.replace(f"{report_path.parent}/", "") if report_path else reason  # no local paths
+    card = build_card(info, report_data, gate, passed, forced=not passed, reason=card_reason, repo_id=repo_id,
                       plots=[f"{PLOTS_DIR}/{p.name}" for p in plots])
 
     with tempfile.TemporaryDirectory(prefix="eyas-push-") as tmp:

