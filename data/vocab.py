@@ -242,6 +242,13 @@ def run_vocab(recipe) -> Path:
 
     vocab_size = target_vocab_size(recipe.target)
     data = load_from_disk(str(data_dir))
+    for name in ("train", "validation"):
+        if name not in data:
+            raise VocabError(f"{data_dir}: no '{name}' split (found {sorted(data)}); rerun `eyas prepare`")
+        missing = {"input_ids", "loss_mask", "record_id"} - set(data[name].column_names)
+        if missing:
+            raise VocabError(f"{data_dir}/{name}: missing column '{sorted(missing)[0]}' "
+                             f"(columns: {data[name].column_names})")
     counts = {name: masked_token_counts(data[name], vocab_size, f"{data_dir}/{name}")
               for name in ("train", "validation")}
     if counts["train"].sum() == 0:

@@ -129,3 +129,15 @@ def test_coverage_target_and_too_few_distinct_tokens(prepared):
 def test_run_vocab_needs_prepared_data(tmp_path):
     with pytest.raises(FileNotFoundError, match="run `eyas prepare"):
         run_vocab(Recipe(output_dir=str(tmp_path)))
+
+
+def test_run_vocab_names_a_missing_column(tmp_path):
+    from datasets import Dataset, DatasetDict
+
+    recipe = Recipe(output_dir=str(tmp_path))
+    data_dir = recipe.stage_dir("data")
+    split = Dataset.from_dict({"input_ids": [[1, 2]], "record_id": ["a"]})
+    DatasetDict({"train": split, "validation": split}).save_to_disk(str(data_dir))
+    (data_dir / "DONE.json").write_text('{"input_hash": "x"}')
+    with pytest.raises(VocabError, match="data/train: missing column 'loss_mask'"):
+        run_vocab(recipe)
