@@ -99,17 +99,34 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     return raw
 
 
+def deep_merge(base: dict, update: dict) -> dict:
+    """`update` over `base`, section by section; lists and scalars are replaced whole."""
+    out = dict(base)
+    for key, value in update.items():
+        out[key] = deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def read_recipe_file(name_or_path: str, seen: tuple[str, ...] = ()) -> dict:
+    """The raw mapping of a recipe file, with its `base:` recipe (if any) merged underneath."""
+    path = find_recipe(name_or_path)
+    if str(path.resolve()) in seen:
+        raise ConfigError(f"{path}: `base` recipes form a cycle ({' -> '.join(seen)})")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: a recipe is a mapping of sections, got {type(raw).__name__}")
+    raw.setdefault("name", path.stem)
+    base = raw.pop("base", None)
+    if base:
+        raw = deep_merge(read_recipe_file(base, seen + (str(path.resolve()),)), raw)
+    return raw
+
+
 def load_recipe(name_or_path: str | None = None, overrides: list[str] | None = None) -> Recipe:
-    raw: dict = {}
-    if name_or_path:
-        path = find_recipe(name_or_path)
-        try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: a recipe is a mapping of sections, got {type(raw).__name__}")
-        raw.setdefault("name", path.stem)
+    raw = read_recipe_file(name_or_path) if name_or_path else {}
     raw = apply_overrides(raw, list(overrides or []))
     return from_dict(Recipe, raw)
 

@@ -51,3 +51,20 @@ def test_section_hash_changes_only_with_its_sections():
     b = load_recipe("smollm2-135m-cpu", ["train.lr=1e-3"])
     assert a.section_hash("data") == b.section_hash("data")
     assert a.section_hash("train") != b.section_hash("train")
+
+
+def test_base_recipe_is_merged_underneath(tmp_path):
+    path = tmp_path / "child.yaml"
+    path.write_text("base: smollm2-135m-cpu\noutput_dir: runs/child\ntrain:\n  lr: 0.002\n")
+    child, parent = load_recipe(str(path)), load_recipe("smollm2-135m-cpu")
+    assert child.name == "child" and child.output_dir == "runs/child"
+    assert child.train.lr == pytest.approx(0.002)
+    assert child.train.epochs == parent.train.epochs  # untouched keys come from the base
+    assert child.data == parent.data
+
+
+def test_base_cycle_is_an_error(tmp_path):
+    (tmp_path / "a.yaml").write_text(f"base: {tmp_path / 'b.yaml'}\n")
+    (tmp_path / "b.yaml").write_text(f"base: {tmp_path / 'a.yaml'}\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        load_recipe(str(tmp_path / "a.yaml"))
