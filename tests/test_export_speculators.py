@@ -140,3 +140,27 @@ def test_real_smollm2_export_loads_in_speculators_with_identical_logits(tmp_path
     # Same proposals in target ids, through each side's own d2t.
     theirs = got.argmax(-1) + draft.d2t[got.argmax(-1)]
     assert torch.equal(theirs, head.draft_to_target(want.argmax(-1)))
+
+
+def test_sglang_export_read_by_speculators_eagle3_converter_gives_identical_logits(tmp_path, monkeypatch):
+    """A second real client, of the SGLang/vLLM layout: speculators' converter reads our config.json
+    (sizes, head_dim, rope_theta, rms eps) and midlayer.* names, the way engines do, and rebuilds the same head."""
+    from speculators.convert.eagle.eagle3_converter import Eagle3Converter
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    target, target_dir = tiny_target(tmp_path / "target")
+    head_dir = tiny_head_dir(tmp_path / "head", target, target_dir)
+    sglang_dir = export_head(head_dir, "sglang", tmp_path / "sglang", dtype="float32")
+    converted = tmp_path / "converted"
+    Eagle3Converter().convert(sglang_dir, converted, base_model=str(target_dir), validate=False,
+                              eagle_aux_hidden_state_layer_ids=[2, 3, 4])
+    draft = eagle3.Eagle3DraftModel.from_pretrained(str(converted)).eval()
+    # speculators 0.9.0 leaves embed_tokens uninitialised when a checkpoint lacks it (see export_head);
+    # its own verifier loader fills it from the target.
+    draft._load_verifier_weights(overwrite_embed_tokens=True)
+    head, _ = load_exported(sglang_dir)
+
+    ids = torch.randint(0, 300, (1, 20), generator=torch.Generator().manual_seed(4))
+    aux, input_ids, positions = shifted_inputs(target, ids, head.config.aux_layer_ids)
+    got = speculators_draft_logits(draft, aux, input_ids, positions)
+    torch.testing.assert_close(got, eyas_logits(head, target, aux, input_ids, positions), rtol=1e-5, atol=1e-5)
