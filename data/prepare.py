@@ -78,7 +78,8 @@ def regenerate_groups(recipe, tokenizer, groups, out: Path) -> list[tuple[Corpus
     records = [r for _, found in groups for r in found]
     answered = {r.record_id: r for r in regenerate(model, tokenizer, records, regeneration_log(recipe, out),
                                                    cfg.regenerate_max_new_tokens, cfg.regenerate_batch_size,
-                                                   cfg.regenerate_temperature, cfg.regenerate_max_records, cfg.seed)}
+                                                   cfg.regenerate_temperature, cfg.regenerate_max_records, cfg.seed,
+                                                   max_prompt_tokens=cfg.max_length - cfg.min_assistant_tokens)}
     return [(stats, [answered[r.record_id] for r in found if r.record_id in answered]) for stats, found in groups]
 
 

@@ -90,13 +90,25 @@ def _stop_ids(model, tokenizer) -> set[int]:
     return ids
 
 
+def prompt_lengths(tokenizer, records: list[Record]) -> list[int]:
+    texts = [tokenizer.apply_chat_template(first_turn_prompt(r.messages), tokenize=False, add_generation_prompt=True)
+             for r in records]
+    return [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]] if texts else []
+
+
 def regenerate(model, tokenizer, records: list[Record], cache: Path, max_new_tokens: int = 256,
                batch_size: int = 16, temperature: float = 0.0, max_records: int | None = None,
-               seed: int = 0) -> list[Record]:
-    """Chat records with their first answer replaced by the target's; empty answers drop the record."""
+               seed: int = 0, max_prompt_tokens: int | None = None) -> list[Record]:
+    """Chat records with their first answer replaced by the target's; empty answers drop the record.
+
+    Prompts longer than `max_prompt_tokens` are not regenerated (and dropped): their answer would
+    fall past max_length, and one long prompt in a left-padded batch multiplies everyone's cost.
+    """
     cache = Path(cache)
     cache.parent.mkdir(parents=True, exist_ok=True)
     chat = [r for r in records if r.is_chat]
+    if max_prompt_tokens is not None:
+        chat = [r for r, n in zip(chat, prompt_lengths(tokenizer, chat)) if n <= max_prompt_tokens]
     if max_records is not None:
         chat = chat[:max_records]
     drop_partial_line(cache)

@@ -133,3 +133,12 @@ def test_regeneration_log_depends_on_the_generation_settings(tmp_path):
     assert regeneration_log(recipe, tmp_path) == first
     recipe.data.regenerate_max_new_tokens = 32
     assert regeneration_log(recipe, tmp_path) != first
+
+
+def test_prompts_too_long_for_max_length_are_not_regenerated(tiny_model, tokenizer, tmp_path):
+    lengths = regen.prompt_lengths(tokenizer, records(4)[:4])
+    limit = sorted(lengths)[1]  # two prompts fit
+    out = regen.regenerate(tiny_model, tokenizer, records(4), tmp_path / "r.jsonl", max_new_tokens=2,
+                           batch_size=4, max_prompt_tokens=limit)
+    kept = [r.record_id for r in out if r.is_chat]
+    assert kept == [f"id{i}" for i, n in enumerate(lengths) if n <= limit] and len(kept) == 2
