@@ -235,3 +235,31 @@ def test_verifier_is_a_hub_id_or_path_never_an_eyas_short_name():
     assert resolve_verifier("smollm2-135m-instruct", {}) == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert resolve_verifier("org/model", {"target": "smollm2-135m-instruct"}) == "org/model"
     assert resolve_verifier(None, {"target": "/data/my-target"}) == "/data/my-target"
+
+
+def test_engine_limits_are_refused_before_writing(setup, tmp_path):
+    root, target, target_dir, _ = setup
+    narrow = Eagle3Config.from_target(target.config, draft_vocab_size=300, aux_layer_ids=[2, 3, 4], hidden_size=32,
+                                      num_attention_heads=2, num_key_value_heads=2)
+    head = build_head(narrow)
+    head.set_vocab(torch.zeros(300, dtype=torch.long), torch.ones(300, dtype=torch.bool))
+    narrow_dir = save_head(head, tmp_path / "narrow", {"target": str(target_dir)})
+    with pytest.raises(ExportValidationError, match="draft hidden size \\(32\\) to equal the target's \\(64\\)"):
+        export_head(narrow_dir, "speculators", tmp_path / "spec")
+    assert not (tmp_path / "spec").exists()
+    out = export_head(narrow_dir, "vllm", tmp_path / "vllm")  # vLLM/SGLang take target_hidden_size for fc
+    assert json.loads((out / "config.json").read_text())["target_hidden_size"] == 64
+
+    biased = Eagle3Config.from_target(target.config, draft_vocab_size=300, aux_layer_ids=[2, 3, 4])
+    biased.attention_bias = True
+    head = build_head(biased)
+    head.set_vocab(torch.zeros(300, dtype=torch.long), torch.ones(300, dtype=torch.bool))
+    biased_dir = save_head(head, tmp_path / "biased", {"target": str(target_dir)})
+    with pytest.raises(ExportValidationError, match="SGLang's EAGLE-3 loader has no attention/MLP bias"):
+        export_head(biased_dir, "sglang", tmp_path / "sg")
+    assert "midlayer.self_attn.q_proj.bias" in load_file(str(export_head(biased_dir, "vllm", tmp_path / "vb") / WEIGHTS))
+    # Full vocabulary: speculators allocates no d2t/t2d, so none are written; loading back gives the identity.
+    spec = export_head(biased_dir, "speculators", tmp_path / "full-vocab", dtype="float32")
+    assert {"d2t", "t2d"}.isdisjoint(load_file(str(spec / WEIGHTS)))
+    back, _ = load_exported(spec)
+    assert torch.equal(back.draft_target_ids(), torch.arange(300)) and bool(back.t2d.all())
