@@ -35,7 +35,7 @@ def train_in_process(recipe: dict) -> Path:
 
 
 def test_offline_training_writes_heads_metrics_plot_and_done(pipeline, tmp_path):
-    recipe = fresh_run(pipeline, tmp_path)
+    recipe = fresh_run(pipeline, tmp_path, trackers=["tensorboard"])
     best = train_in_process(recipe)
     head_dir = best.parent
     r = from_dict(Recipe, recipe)
@@ -54,6 +54,7 @@ def test_offline_training_writes_heads_metrics_plot_and_done(pipeline, tmp_path)
     assert meta["training"]["val"]["tau_sim"] == max(v["tau_sim"] for v in val)
     assert len(val[0]["step_acc"]) == 3 and val[0]["tau_positions"] > 0
     assert (head_dir / "training.png").read_bytes()[:4] == b"\x89PNG"
+    assert list(head_dir.rglob("events.out.tfevents*"))  # the tensorboard tracker logged
     done = json.loads((head_dir / "DONE.json").read_text())
     assert done["input_hash"] == inputs_hash(r) and done["steps"] == 6
     assert json.loads((head_dir / "state" / "progress.json").read_text())["step"] == 6
@@ -96,6 +97,40 @@ def test_lr_schedule_warms_up_then_decays_to_min_ratio():
     assert all(a >= b for a, b in zip(f[4:], f[5:])) and f[20] == pytest.approx(0.1)
 
 
+class Crash(Exception):
+    pass
+
+
+def test_crash_then_resume_in_process_gives_the_same_loss_curve(pipeline, tmp_path, monkeypatch):
+    """Fast variant of the SIGKILL test below: a crash injected at step 5, after the state of step 4."""
+    from eyas.train import loop
+
+    steps = dict(max_steps=7, save_every=2, eval_every=7, log_every=1, mixed_precision="fp32")
+    reference = fresh_run(pipeline, tmp_path / "ref", **steps)
+    crashed = fresh_run(pipeline, tmp_path / "crashed", **steps)
+    train_in_process(reference)
+
+    real = loop.Plan.micro_batches
+
+    def crash_at_step_4(self, step):
+        if step == 4:  # 0-based: the fifth optimizer step
+            raise Crash()
+        return real(self, step)
+
+    monkeypatch.setattr(loop.Plan, "micro_batches", crash_at_step_4)
+    with pytest.raises(Crash):
+        train_in_process(crashed)
+    head_dir = Path(crashed["output_dir"]) / "head"
+    assert json.loads((head_dir / "state" / "progress.json").read_text())["step"] == 4
+    monkeypatch.setattr(loop.Plan, "micro_batches", real)
+    train_in_process(crashed)
+    want, got = read_metrics(Path(reference["output_dir"]) / "head"), read_metrics(head_dir)
+    assert [m["step"] for m in got] == list(range(1, 8))
+    for a, b in zip(want, got):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-6), a["step"]
+
+
+@pytest.mark.slow
 def test_kill_9_then_resume_gives_the_same_loss_curve(pipeline, tmp_path):
     steps = dict(max_steps=14, save_every=3, eval_every=14, log_every=1, mixed_precision="fp32")
     reference = fresh_run(pipeline, tmp_path / "ref", **steps)

@@ -85,8 +85,9 @@ def make_accelerator(cfg: TrainConfig, head_dir: Path):
         # On CPU, every backend (incl. DeepSpeed's) must be gloo, or ranks silently train on the same batches.
         handlers.append(InitProcessGroupKwargs(backend="gloo"))
     trackers = [t for t in cfg.trackers if t != "none"]
-    if "wandb" in trackers:
+    if "wandb" in trackers:  # offline unless the user chose otherwise; its files go under head/
         os.environ.setdefault("WANDB_MODE", "offline")
+        os.environ.setdefault("WANDB_DIR", str(head_dir))
     # The scheduler steps once per optimizer step, by hand (accelerate would step it once per process).
     return Accelerator(mixed_precision=resolve_mixed_precision(cfg.mixed_precision),
                        gradient_accumulation_steps=cfg.grad_accum, log_with=trackers or None,
