@@ -243,7 +243,8 @@ def serving_settings(report: dict, num_speculative_tokens: int | None = None) ->
 
 
 def serving_snippets(target: str, draft: str, settings: dict) -> dict[str, str]:
-    spec = json.dumps({"method": "eagle3", "model": draft, "num_speculative_tokens": settings["num_speculative_tokens"]})
+    k = settings["num_speculative_tokens"]
+    spec = json.dumps({"method": "eagle3", "model": draft, "num_speculative_tokens": k})
     return {
         "vllm": f"vllm serve {target} --speculative-config '{spec}'",
         "sglang": (f"python -m sglang.launch_server --model {target} --speculative-algorithm EAGLE3 "
@@ -432,7 +433,8 @@ def config_from_export(cfg: dict, fmt: str) -> Eagle3Config:
         draft_vocab_size=cfg.get("draft_vocab_size") or layer["vocab_size"],
         target_hidden_size=cfg.get("target_hidden_size") or hidden, aux_layer_ids=aux,
         num_target_layers=aux[-1] + 3,  # the usual [2, N//2, N-3] choice; eyas exports record the real N
-        rms_norm_eps=layer.get("rms_norm_eps", 1e-6), max_position_embeddings=layer.get("max_position_embeddings", 2048),
+        rms_norm_eps=layer.get("rms_norm_eps", 1e-6),
+        max_position_embeddings=layer.get("max_position_embeddings", 2048),
         rope_parameters=rope, hidden_act=layer.get("hidden_act", "silu"),
         attention_bias=bool(layer.get("attention_bias")), mlp_bias=bool(layer.get("mlp_bias")),
     )

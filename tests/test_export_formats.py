@@ -257,7 +257,8 @@ def test_engine_limits_are_refused_before_writing(setup, tmp_path):
     biased_dir = save_head(head, tmp_path / "biased", {"target": str(target_dir)})
     with pytest.raises(ExportValidationError, match="SGLang's EAGLE-3 loader has no attention/MLP bias"):
         export_head(biased_dir, "sglang", tmp_path / "sg")
-    assert "midlayer.self_attn.q_proj.bias" in load_file(str(export_head(biased_dir, "vllm", tmp_path / "vb") / WEIGHTS))
+    vllm_dir = export_head(biased_dir, "vllm", tmp_path / "vb")
+    assert "midlayer.self_attn.q_proj.bias" in load_file(str(vllm_dir / WEIGHTS))
     # Full vocabulary: speculators allocates no d2t/t2d, so none are written; loading back gives the identity.
     spec = export_head(biased_dir, "speculators", tmp_path / "full-vocab", dtype="float32")
     assert {"d2t", "t2d"}.isdisjoint(load_file(str(spec / WEIGHTS)))

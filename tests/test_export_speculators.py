@@ -10,7 +10,6 @@ from __future__ import annotations
 import gzip
 import json
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch

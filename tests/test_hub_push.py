@@ -77,8 +77,8 @@ def test_dry_run_prints_file_list_and_complete_card(gated_export, capsys):
     assert "Verdict: **PASS**" in card and "min_alpha 0.55" in card
     assert "![acceptance_per_position](plots/acceptance_per_position.png)" in card
     assert "vllm serve someone/tiny-eagle3" in card
-    assert """--speculative-config '{"method": "eagle3", "model": "someone/tiny-eagle3", "num_speculative_tokens": 3}'""" \
-        in card
+    spec = json.dumps({"method": "eagle3", "model": "someone/tiny-eagle3", "num_speculative_tokens": 3})
+    assert f"--speculative-config '{spec}'" in card
     assert head_content_hash(head_dir) in card and "--force" not in card
     assert snapshot(out) == before
     assert not list(tmp_path.glob("eyas-push-*"))  # the staging folder is gone
