@@ -4,19 +4,30 @@ that drafts are accepted (so the KV gather/crop paths really run)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from conftest import tiny_target
 from eyas.data.config import TargetConfig
-from eyas.data.targets import load_tokenizer, target_features
+from eyas.data.targets import aux_layer_ids_for, load_tokenizer, target_features
 from eyas.eval.config import DecoderConfig
-from eyas.eval.decoder import PlainDecoder, SpeculativeDecoder, TargetRunner
+from eyas.eval.decoder import PlainDecoder, SpeculativeDecoder, TargetRunner, autotune
 from eyas.heads.eagle3 import Eagle3Config, build_head, embed
 
 VOCAB = 256
 AUX = [1, 3, 4]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from threads, and on a busy shared CPU two spinning threads are ~10x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")
@@ -24,13 +35,13 @@ def tokenizer():
     return load_tokenizer(TargetConfig())
 
 
-def new_head(model, draft_ids: torch.Tensor | None = None, seed: int = 0):
+def new_head(model, draft_ids: torch.Tensor | None = None, seed: int = 0, aux_layer_ids=AUX):
     """A random head; `draft_ids` (sorted target ids) trims its vocabulary through d2t/t2d."""
     vocab = model.config.vocab_size
     draft_ids = torch.arange(vocab) if draft_ids is None else draft_ids
     torch.manual_seed(seed)
-    head = build_head(Eagle3Config.from_target(model.config, draft_vocab_size=len(draft_ids), aux_layer_ids=AUX
-                                               if model.config.num_hidden_layers < 10 else [2, 15, 27]))
+    head = build_head(Eagle3Config.from_target(model.config, draft_vocab_size=len(draft_ids),
+                                               aux_layer_ids=aux_layer_ids))
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[draft_ids] = True
     head.set_vocab(draft_ids - torch.arange(len(draft_ids)), t2d)
@@ -165,7 +176,7 @@ def smollm2_fitted(smollm2):
                                        return_tensors="pt", return_dict=True)["input_ids"]
                for q in ("List the days of the week.", "Count from one to twenty in words.")]
     seqs = greedy_sequences(model, tok, prompts, 40)
-    head = new_head(model, torch.unique(torch.cat(seqs, 1)))  # a trimmed vocabulary: d2t is exercised too
+    head = new_head(model, torch.unique(torch.cat(seqs, 1)), aux_layer_ids=aux_layer_ids_for(model))  # a trimmed vocabulary: d2t is exercised too
     fit_head(model, head, seqs, steps=60, lr=3e-3)
     return model, tok, head, prompts
 
@@ -185,3 +196,60 @@ def test_greedy_is_target_greedy_on_smollm2(smollm2_fitted, mode):
     hf = model.generate(fresh, do_sample=False, max_new_tokens=40, eos_token_id=sorted(plain.eos_ids))
     assert want.tokens == hf[0, fresh.shape[1]:].tolist()
     assert accepted > 10
+
+
+# ---- stop rules: the speculative decoder truncates its accepted tokens exactly where plain decoding stops --
+
+TREE = dict(mode="tree", depth=4, topk=3, budget=10)
+
+
+def test_eos_and_length_cut_accepted_tokens(fitted, tokenizer):
+    _, model, head, prompts = fitted
+    ids = prompts[0]
+    cfg = DecoderConfig(max_new_tokens=24, **TREE)
+    spec = SpeculativeDecoder(model, head, tokenizer, cfg)
+    spec.eos_ids = set()
+    full = spec.generate(ids)
+    assert full.accepted_tokens > 0 and full.finish_reason == "length" and len(full.tokens) == 24
+    for limit in (1, 2, 5, 7):
+        short = SpeculativeDecoder(model, head, tokenizer, dataclasses.replace(cfg, max_new_tokens=limit))
+        short.eos_ids = set()
+        got = short.generate(ids)
+        assert got.tokens == full.tokens[:limit] and got.finish_reason == "length"
+    eos = full.tokens[9]
+    want_len = full.tokens.index(eos) + 1
+    for decoder in (PlainDecoder(model, tokenizer, cfg), SpeculativeDecoder(model, head, tokenizer, cfg)):
+        decoder.eos_ids = {eos}
+        got = decoder.generate(ids)
+        assert got.tokens == full.tokens[:want_len] and got.finish_reason == "eos"
+
+
+def test_eos_ids_come_from_generation_config(tokenizer):
+    model = tiny_target("llama", VOCAB)
+    model.generation_config.eos_token_id = [7, 9]
+    assert {7, 9, tokenizer.eos_token_id} <= PlainDecoder(model, tokenizer, DecoderConfig()).eos_ids
+
+
+def test_stop_string_on_smollm2(smollm2_fitted):
+    model, tok, head, prompts = smollm2_fitted
+    cfg = DecoderConfig(max_new_tokens=40, stop=["Wednesday"], **TREE)
+    want = PlainDecoder(model, tok, cfg).generate(prompts[0])
+    got = SpeculativeDecoder(model, head, tok, cfg).generate(prompts[0])
+    assert want.finish_reason == got.finish_reason == "stop"
+    assert got.tokens == want.tokens and "Wednesday" in got.text
+    assert "Wednesday" not in tok.decode(got.tokens[:-1])
+
+
+def test_autotune_returns_the_fastest_measured_shape(fitted, tokenizer):
+    arch, model, head, prompts = fitted
+    if arch != "llama":
+        pytest.skip("one architecture is enough for the search itself")
+    shapes = [dict(mode="chain", num_speculative_tokens=2), dict(mode="tree", depth=3, topk=2, budget=4)]
+    best, table = autotune(model, head, tokenizer, prompts[:1], DecoderConfig(max_new_tokens=50), shapes=shapes,
+                           max_new_tokens=12)
+    assert [row["shape"] for row in table] == [{"mode": "plain"}] + shapes
+    fastest = max(table[1:], key=lambda row: row["tokens_per_s"])
+    assert fastest["chosen"] and sum(row["chosen"] for row in table) == 1
+    assert {k: getattr(best, k) for k in fastest["shape"]} == fastest["shape"]
+    assert best.max_new_tokens == 50  # the search's shorter runs do not leak into the returned config
+    assert all(row["tokens"] == 12 or row["tokens"] < 12 for row in table)
