@@ -23,10 +23,10 @@ from eyas.heads.export import (
 )
 
 
-def tiny_target(folder: Path, seed: int = 0) -> tuple[LlamaForCausalLM, Path]:
-    """A random 6-layer Llama saved like a real target (config + safetensors)."""
+def tiny_target(folder: Path, seed: int = 0, config: LlamaConfig | None = None) -> tuple[LlamaForCausalLM, Path]:
+    """A random 6-layer Llama (300 tokens) saved like a real target (config + safetensors)."""
     torch.manual_seed(seed)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    cfg = config or LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                       num_hidden_layers=6, vocab_size=300, max_position_embeddings=4096, tie_word_embeddings=False,
                       rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
     model = LlamaForCausalLM(cfg).eval()

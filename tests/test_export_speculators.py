@@ -48,9 +48,15 @@ def eyas_logits(head, target, aux, input_ids, positions):
     return logits
 
 
-def test_tiny_export_loads_in_speculators_with_identical_logits(tmp_path, monkeypatch):
+@pytest.mark.parametrize("rope", ["default", "llama3"])
+def test_tiny_export_loads_in_speculators_with_identical_logits(tmp_path, monkeypatch, rope):
+    from conftest import tiny_config
+
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    target, target_dir = tiny_target(tmp_path / "target")
+    # llama3: scaled rope parameters must reach speculators' transformer_layer_config intact.
+    config = tiny_config("llama", vocab_size=300) if rope == "llama3" else None
+    target, target_dir = tiny_target(tmp_path / "target", config=config)
+    assert target.config.rope_parameters["rope_type"] == rope
     head_dir = tiny_head_dir(tmp_path / "head", target, target_dir)
     out = export_head(head_dir, "speculators", tmp_path / "spec", dtype="float32", verifier=str(target_dir))
     draft = eagle3.Eagle3DraftModel.from_pretrained(str(out)).eval()
