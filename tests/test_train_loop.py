@@ -164,3 +164,10 @@ def test_kill_9_then_resume_gives_the_same_loss_curve(pipeline, tmp_path):
     for a, b in zip(want, got):
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-6), a["step"]
         assert a["lr"] == pytest.approx(b["lr"], rel=1e-9)
+
+
+def test_features_of_other_aux_layers_are_refused_naming_the_file_and_field(pipeline, tmp_path):
+    recipe = fresh_run(pipeline, tmp_path)
+    recipe["target"] = dict(recipe["target"], aux_layer_ids=[1, 2, 3])
+    with pytest.raises(TrainingError, match=r"index\.json: field 'aux_layer_ids' is \[0, 1, 2\]"):
+        train_in_process(recipe)

@@ -164,6 +164,7 @@ class Features:
         if self.mode == "offline":
             features_dir = recipe.stage_dir("features")
             self.datasets = {s: collect.FeatureDataset(features_dir, s) for s in collect.SPLITS}
+            check_store(features_dir, self.datasets["train"].meta, recipe, vocab)
             self.teacher = collect.Teacher.load(features_dir, device)
             self.online = None
         elif self.mode == "online":
@@ -182,6 +183,19 @@ class Features:
         if self.online is not None:
             batch = self.online(batch)
         return batch, BatchTeacher(self.teacher, batch)
+
+
+def check_store(features_dir: Path, meta: dict, recipe, vocab) -> None:
+    """Refuse a feature store collected for another target, aux layers or draft vocabulary."""
+    from transformers import AutoConfig
+
+    target_dir = resolve_target(recipe.target.name_or_path)
+    expected = {"aux_layer_ids": aux_layer_ids_for(AutoConfig.from_pretrained(target_dir), recipe.target),
+                "draft_vocab_size": int(vocab[0].numel()), "target_hash": target_hash(recipe.target.name_or_path)}
+    for field, want in expected.items():
+        if field in meta and meta[field] != want:
+            raise TrainingError(f"{features_dir / collect.INDEX}: field '{field}' is {meta[field]!r}, this recipe "
+                                f"needs {want!r}. Fix: rerun `eyas collect <recipe>`")
 
 
 class Plan:
