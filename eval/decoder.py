@@ -192,10 +192,22 @@ class TargetRunner:
         self.length = end
 
 
+def check_decoder_config(cfg: DecoderConfig) -> None:
+    """Refuse settings that cannot decode, naming the field."""
+    if cfg.mode not in ("chain", "tree"):
+        raise ValueError(f"decoder.mode must be 'chain' or 'tree', got {cfg.mode!r}")
+    for name in ("num_speculative_tokens", "depth", "topk", "budget", "max_new_tokens"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"decoder.{name} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.temperature < 0 or not 0 < cfg.top_p <= 1 or cfg.top_k < 0 or not 0 <= cfg.min_draft_prob < 1:
+        raise ValueError(f"decoder sampling settings out of range: temperature={cfg.temperature} (>= 0), "
+                         f"top_p={cfg.top_p} (0, 1], top_k={cfg.top_k} (>= 0), "
+                         f"min_draft_prob={cfg.min_draft_prob} [0, 1)")
+
+
 class _Base:
     def __init__(self, target, tokenizer, cfg: DecoderConfig):
-        if cfg.mode not in ("chain", "tree"):
-            raise ValueError(f"decoder.mode must be 'chain' or 'tree', got {cfg.mode!r}")
+        check_decoder_config(cfg)
         self.target, self.tokenizer, self.cfg = target, tokenizer, cfg
         self.device = next(target.parameters()).device
         self.eos_ids = eos_token_ids(target, tokenizer)
