@@ -222,3 +222,14 @@ def test_gzip_jsonl(tmp_path):
     records, _ = read_corpus(CorpusConfig(kind="jsonl", path=str(path)))
     assert records[0].messages[1]["content"] == "4"
     assert isinstance(CorpusStats("x").to_dict()["skipped"], dict)
+
+
+def test_bad_chitchat_and_humaneval_records_are_named(tmp_path):
+    path = tmp_path / "chit.json"
+    path.write_text(json.dumps({"c1": {"messages": [[{"text": "hi"}], [{"sender": "x"}]]}}))
+    with pytest.raises(CorpusError, match=r"chit.json: record c1: field 'messages\[1\]'"):
+        read_corpus(CorpusConfig(kind="chitchat", path=str(path)))
+    path = tmp_path / "he.jsonl"
+    path.write_text(json.dumps({"task_id": "t", "prompt": "def f():\n"}) + "\n")
+    with pytest.raises(CorpusError, match=r"he.jsonl: line 1: missing field 'canonical_solution'"):
+        read_corpus(CorpusConfig(kind="humaneval", path=str(path)))
