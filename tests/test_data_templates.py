@@ -52,6 +52,7 @@ def _tiktoken_tokenizer(name, dist, member, pattern, specials, template, **speci
 
     folder = cache_root() / "test-tokenizers" / name
     if not (folder / "tokenizer.json").exists():
+        pytest.importorskip("tiktoken", reason="reading the tiktoken BPE files needs `tiktoken` (test extra)")
         converted = TikTokenConverter(vocab_file=str(packaged_file(dist, member)), pattern=pattern,
                                       extra_special_tokens=specials).converted()
         tok = PreTrainedTokenizerFast(tokenizer_object=converted, **special_tokens)
