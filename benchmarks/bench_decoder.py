@@ -81,6 +81,7 @@ def main(argv=None) -> int:
     ap.add_argument("--depth", type=int, default=5)
     ap.add_argument("--topk", type=int, default=4)
     ap.add_argument("--budget", type=int, default=16)
+    ap.add_argument("--min-draft-prob", type=float, default=0.0, help="skip/stop drafting below this confidence")
     ap.add_argument("--autotune", action="store_true", help="also search the draft shape on 2 prompts")
     args = ap.parse_args(argv)
 
@@ -89,7 +90,7 @@ def main(argv=None) -> int:
     head, _ = load_head(args.head or untrained_head_dir(model), device=model.device, dtype=dtype, tokenizer=tok,
                         target_vocab_size=model.config.vocab_size)
     prompts = load_prompts(tok, args.prompts_file, args.prompts, model.device)
-    base = DecoderConfig(max_new_tokens=args.max_new_tokens)
+    base = DecoderConfig(max_new_tokens=args.max_new_tokens, min_draft_prob=args.min_draft_prob)
     configs = {"chain": dataclasses.replace(base, mode="chain", num_speculative_tokens=args.chain_k),
                "tree": dataclasses.replace(base, mode="tree", depth=args.depth, topk=args.topk, budget=args.budget)}
     if args.autotune:
