@@ -9,6 +9,11 @@ embedding of the parent's token at RoPE position + 1, attending to the prefix pl
 
 PlainDecoder runs the target alone through the same forward function (same cache, dtype and masks),
 so speed ratios compare like with like.
+
+Time accounting in GenerationStats: time_target_s covers the target forwards (with their mask
+construction), time_draft_s the head forwards together with the tree growth and pruning around them,
+time_other_s the rest (acceptance, cache gather/crop, stop checks): the decoder's own overhead.
+On CUDA every section is bracketed by a synchronise so the times are the GPU's.
 """
 
 from __future__ import annotations

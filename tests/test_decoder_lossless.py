@@ -254,3 +254,10 @@ def test_autotune_returns_the_fastest_measured_shape(fitted, tokenizer):
     assert {k: getattr(best, k) for k in fastest["shape"]} == fastest["shape"]
     assert best.max_new_tokens == 50  # the search's shorter runs do not leak into the returned config
     assert all(row["tokens"] == 12 or row["tokens"] < 12 for row in table)
+
+
+@pytest.mark.parametrize("bad, field", [(dict(mode="beam"), "decoder.mode"), (dict(budget=0), "decoder.budget"),
+                                        (dict(top_p=0.0), "top_p")])
+def test_bad_decoder_config_names_the_field(tokenizer, bad, field):
+    with pytest.raises(ValueError, match=field):
+        PlainDecoder(tiny_target("llama", VOCAB, layers=2), tokenizer, DecoderConfig(**bad))
