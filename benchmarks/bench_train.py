@@ -20,7 +20,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 
-def matmul_gflops(dtype: torch.dtype, n: int = 1024, reps: int = 20) -> float:
+def matmul_gflops(dtype: torch.dtype, n: int = 1024, reps: int = 5) -> float:
     """Best-of matmul throughput for square n x n products in `dtype` (GFLOP/s)."""
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     for _ in range(3):
@@ -59,7 +59,8 @@ def time_mode(recipe, steps: int, warmup: int = 1) -> dict:
     from eyas.data import collect
     from eyas.data.targets import resolve_target, text_config
     from eyas.data.vocab import load_vocab
-    from eyas.train.loop import Features, Plan, TTTModel, build_training_head, load_target_embedding
+    from eyas.train.loop import (Features, Plan, TTTModel, build_training_head, load_target_embedding,
+                                 resolve_mixed_precision)
 
     cfg = recipe.train
     target_dir = Path(resolve_target(recipe.target.name_or_path))
@@ -76,8 +77,10 @@ def time_mode(recipe, steps: int, warmup: int = 1) -> dict:
         rows = plan.micro_batches(step)[0]
         return features(collect.collate([train_set[i] for i in rows]))
 
+    bf16 = resolve_mixed_precision(cfg.mixed_precision) == "bf16"  # what run_train would use here
+
     def train_step(batch, teacher) -> None:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             loss, _ = model(batch, teacher, embed_weight)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -106,14 +109,15 @@ def time_mode(recipe, steps: int, warmup: int = 1) -> dict:
     return {"tokens": tokens, "seconds": elapsed, "seconds_features": t_load, "tokens_per_s": tokens / elapsed,
             "head_flops_per_token": head_flops / tokens, "feature_flops_per_token": feature_flops / tokens,
             "gflops": (head_flops + feature_flops) / elapsed / 1e9, "head_gflops_in_train_step": head_flops / t_train / 1e9,
-            "draft_vocab_size": int(vocab[0].numel()), "batch_size": cfg.batch_size, "steps": steps}
+            "draft_vocab_size": int(vocab[0].numel()), "batch_size": cfg.batch_size, "steps": steps,
+            "autocast_bf16": bf16}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="/tmp/eyas-bench-train")
     parser.add_argument("--records", type=int, default=96)
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=4)
     args = parser.parse_args()
     out = Path(args.out)
@@ -128,6 +132,7 @@ def main() -> None:
         r["util_vs_fp32"] = r["gflops"] / peak["fp32"]
         r["util_vs_bf16"] = r["gflops"] / peak["bf16"]
         results["modes"][mode] = r
+        print(mode, json.dumps(r), flush=True)
     peak_after = {"fp32": matmul_gflops(torch.float32), "bf16": matmul_gflops(torch.bfloat16)}
     results["matmul_gflops_after"] = peak_after
 
