@@ -102,7 +102,7 @@ class Crash(Exception):
 
 
 def test_crash_then_resume_in_process_gives_the_same_loss_curve(pipeline, tmp_path, monkeypatch):
-    """Fast variant of the SIGKILL test below: a crash injected at step 5, after the state of step 4."""
+    """In-process variant of the SIGKILL test below: a crash injected at step 5, after the state of step 4."""
     from eyas.train import loop
 
     steps = dict(max_steps=7, save_every=2, eval_every=7, log_every=1, mixed_precision="fp32")
@@ -130,7 +130,6 @@ def test_crash_then_resume_in_process_gives_the_same_loss_curve(pipeline, tmp_pa
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-6), a["step"]
 
 
-@pytest.mark.slow
 def test_kill_9_then_resume_gives_the_same_loss_curve(pipeline, tmp_path):
     steps = dict(max_steps=14, save_every=3, eval_every=14, log_every=1, mixed_precision="fp32")
     reference = fresh_run(pipeline, tmp_path / "ref", **steps)
