@@ -177,14 +177,14 @@ def load_report(report_path: str | Path) -> dict:
 
 
 def run_gate(report_path, recipe=None, min_alpha=None, min_speedup=None, max_itl_p99_regression=None,
-             weights=None, recipe_obj=None) -> int:
+             weights=None) -> int:
     """Print a table of checks, write gate.json next to the report, and return 1 if any check failed.
 
-    `recipe` is a recipe name/path or a loaded Recipe; `recipe_obj` is the same, as `eyas run` passes it.
+    `recipe` is a recipe name/path or a loaded Recipe (as `eyas run` passes it).
     """
     report_path = Path(report_path)
     report = load_report(report_path)
-    gate = resolve_thresholds(recipe if recipe is not None else recipe_obj, min_alpha, min_speedup,
+    gate = resolve_thresholds(recipe, min_alpha, min_speedup,
                               max_itl_p99_regression, weights)
     checks = evaluate(report, gate)
     head_hash = report["head"].get("sha256", "")

@@ -119,8 +119,8 @@ def test_a_loaded_recipe_is_accepted_as_eyas_run_passes_it(tmp_path):
     path = write_report(tmp_path, crafted_report())
     recipe = Recipe(gate=GateConfig(min_alpha=0.9))
     assert run_gate(path, recipe=recipe) == 1
-    assert run_gate(path, recipe_obj=recipe) == 1
-    assert run_gate(path, recipe_obj=recipe, min_alpha=0.5) == 0
+    assert run_gate(path, recipe=recipe) == 1
+    assert run_gate(path, recipe=recipe, min_alpha=0.5) == 0
 
 
 def test_weights_strings_are_parsed_and_bad_ones_named():
