@@ -176,12 +176,14 @@ class Eagle3Head(nn.Module):
 
         llama = c.llama_config()
         rope_type = c.rope_parameters.get("rope_type", "default")
-        if rope_type == "default":
-            base = float(c.rope_parameters.get("rope_theta", 10000.0))
-            inv_freq = 1.0 / (base ** (torch.arange(0, c.head_dim, 2, dtype=torch.float) / c.head_dim))
-            self.attention_scaling = 1.0
-        else:
-            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](llama, "cpu")
+        # Rope frequencies are computed on the CPU even when the head is built on the meta device.
+        with torch.device("cpu"):
+            if rope_type == "default":
+                base = float(c.rope_parameters.get("rope_theta", 10000.0))
+                inv_freq = 1.0 / (base ** (torch.arange(0, c.head_dim, 2, dtype=torch.float) / c.head_dim))
+                self.attention_scaling = 1.0
+            else:
+                inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](llama, "cpu")
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
 
     # ---- vocabulary ------------------------------------------------------------------------------
