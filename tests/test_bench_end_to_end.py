@@ -79,16 +79,7 @@ def constant_proposal_head(model, tokenizer, favourite: int, path: Path, tokeniz
 
 
 @pytest.fixture(scope="module")
-def one_thread():
-    # Tiny matrices gain nothing from a second thread, and on a shared machine two threads can be 5x slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def bench_run(tmp_path_factory, one_thread):
+def bench_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("bench_e2e")
     tokenizer = load_tokenizer(TargetConfig())
     target_dir, model = tiny_target_dir(root, tokenizer)
@@ -203,7 +194,7 @@ def test_a_head_trained_for_another_tokenizer_is_refused(bench_run):
 
 
 @pytest.mark.slow
-def test_real_smollm2_bench_is_lossless_and_agrees_with_transformers(tmp_path, one_thread):
+def test_real_smollm2_bench_is_lossless_and_agrees_with_transformers(tmp_path):
     """The real default target (SmolLM2-135M-Instruct, fp32) with a constant-proposal head: ~2-5 min on 2 cores."""
     from eyas.data.targets import load_target
 

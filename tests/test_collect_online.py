@@ -15,14 +15,6 @@ from eyas.recipe import Recipe
 from test_collect_store import build_tiny_target, make_recipe, write_vocab
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def tiny_target(tmp_path_factory):
     return build_tiny_target(tmp_path_factory.mktemp("tiny-target"))

@@ -66,15 +66,6 @@ def make_recipe(root: Path, target_dir: Path, n_train: int = 14, n_val: int = 5,
     return recipe
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models on a shared 2-core machine: a second OpenMP thread only waits (100x slower seen)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def tiny_target(tmp_path_factory) -> Path:
     return build_tiny_target(tmp_path_factory.mktemp("tiny-target"))

@@ -21,15 +21,6 @@ VOCAB = 256
 AUX = [1, 3, 4]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from threads, and on a busy shared CPU two spinning threads are ~10x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="session")
 def tokenizer():
     return load_tokenizer(TargetConfig())

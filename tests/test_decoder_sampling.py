@@ -17,7 +17,7 @@ from conftest import tiny_target
 from eyas.eval import sampling
 from eyas.eval.config import DecoderConfig
 from eyas.eval.decoder import PlainDecoder, SpeculativeDecoder
-from test_decoder_lossless import new_head, one_thread, tokenizer  # noqa: F401 (fixtures)
+from test_decoder_lossless import new_head, tokenizer  # noqa: F401 (fixtures)
 
 VOCAB = 8
 SAMPLES = 600  # the missing correction shows as TV ~0.2 against a noise threshold ~0.12

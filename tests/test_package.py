@@ -5,8 +5,8 @@ import sys
 import zipfile
 from pathlib import Path
 
-import eyas
-import eyas.data
+
+
 
 ROOT = Path(__file__).resolve().parents[1]
 

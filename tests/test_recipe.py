@@ -68,3 +68,12 @@ def test_base_cycle_is_an_error(tmp_path):
     (tmp_path / "b.yaml").write_text(f"base: {tmp_path / 'a.yaml'}\n")
     with pytest.raises(ConfigError, match="cycle"):
         load_recipe(str(tmp_path / "a.yaml"))
+
+
+def test_every_recipe_names_an_accelerate_config_that_exists():
+    from eyas.recipe import recipes_dir
+
+    for name in list_recipes():
+        recipe = load_recipe(name)
+        assert recipe.accelerate_config, name
+        assert (recipes_dir() / "accelerate" / recipe.accelerate_config.split("/")[-1]).exists(), name
