@@ -173,7 +173,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         code = args.fn(args)
-    except (ConfigError, FileNotFoundError, ValueError) as exc:
+    except Exception as exc:
+        # Errors that eyas raises on purpose (bad recipes, inputs, targets, training stops) and bad paths
+        # are reported in one line; anything else is a bug and keeps its traceback.
+        if not (isinstance(exc, (ConfigError, FileNotFoundError, ValueError))
+                or type(exc).__module__.startswith("eyas.")):
+            raise
         print(f"eyas {args.command}: error: {exc}", file=sys.stderr)
         return 2
     return int(code or 0)

