@@ -47,6 +47,7 @@ from eyas.data.prepare import DONE, read_done, write_done
 from eyas.data.targets import (aux_layer_ids_for, load_target, logits_from_final_hidden, resolve_target,
                                target_features, target_hash, text_config)
 from eyas.data.vocab import draft_to_target, load_vocab
+from eyas.data.atomic import atomic_write_bytes as write_atomic, atomic_write_json as write_json_atomic
 
 FORMAT = "eyas-features/1"
 INDEX = "index.json"
@@ -65,21 +66,6 @@ class FeatureStoreError(RuntimeError):
 
 
 # ---- small file helpers ------------------------------------------------------------------------------
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write to a temp name, fsync, then os.replace: a kill leaves the old file or the new one, never half."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
-def write_json_atomic(path: Path, obj) -> None:
-    write_atomic(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
-
 
 def read_json(path: Path) -> dict:
     try:

@@ -21,15 +21,10 @@ from pathlib import Path
 from eyas.data.corpora import (CorpusStats, Record, corpus_identity, dedup, read_corpus, select, split_of)
 from eyas.data.targets import load_tokenizer
 from eyas.data.templates import Sample, parent_id, render_records
+from eyas.data.atomic import atomic_write_text
 
 DONE = "DONE.json"
 COLUMNS = ("input_ids", "loss_mask", "source", "record_id", "category")
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def read_done(folder: Path) -> dict | None:

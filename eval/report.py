@@ -3,21 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
-from typing import Callable
 
-
-def write_atomic(path: str | Path, write: Callable[[Path], None]) -> Path:
-    """Write through a temporary sibling, then rename, so readers never see half a file."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+from eyas.data.atomic import atomic_write as write_atomic
 
 
 def write_json_atomic(path: str | Path, data: dict) -> Path:

@@ -8,13 +8,12 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from eyas.data.atomic import atomic_dir_write  # noqa: F401  (re-exported: heads write through it)
 from eyas.heads.eagle3 import Eagle3Config, Eagle3Head
 
 METADATA = "eyas_head.json"
@@ -65,21 +64,6 @@ def serving_config(c: Eagle3Config) -> dict:
     cfg["bos_token_id"] = llama.get("bos_token_id")
     cfg["eos_token_id"] = llama.get("eos_token_id")
     return cfg
-
-
-def atomic_dir_write(path: Path, write) -> Path:
-    """Write a directory under a temporary name, then swap it in, so a kill never leaves half a head."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    write(tmp)
-    old = path.with_name(f".{path.name}.old-{os.getpid()}")
-    if path.exists():
-        os.replace(path, old)
-    os.replace(tmp, path)
-    shutil.rmtree(old, ignore_errors=True)
-    return path
 
 
 def save_head(head: Eagle3Head, path: str | Path, metadata: dict | None = None) -> Path:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
+
+from eyas.data.atomic import atomic_write
 
 
 def plot_training(metrics_path: str | Path, out: str | Path) -> Path:
@@ -28,9 +29,6 @@ def plot_training(metrics_path: str | Path, out: str | Path) -> Path:
     ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train])
     ax_loss.set(title="training loss (weighted TTT sum)", xlabel="optimizer step", ylabel="loss")
     fig.tight_layout()
-    out = Path(out)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}.png")
-    fig.savefig(tmp, dpi=90)
+    atomic_write(out, lambda tmp: fig.savefig(tmp, dpi=90, format="png"))
     plt.close(fig)
-    os.replace(tmp, out)
-    return out
+    return Path(out)
