@@ -445,21 +445,8 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
         return {name: fh.get_tensor(name) for name in fh.keys()}
 
 
-def validate_export(path: str | Path) -> str:
-    """Check an export directory's tensors against its own config.json; returns its format."""
-    path = Path(path)
-    cfg_file, weights = path / "config.json", path / WEIGHTS
-    if not cfg_file.exists() or not weights.exists():
-        raise FileNotFoundError(f"{path}: not an export (needs config.json and {WEIGHTS})")
-    cfg = json.loads(cfg_file.read_text())
-    fmt = detect_format(cfg)
-    validate_tensors(read_safetensors(weights), cfg, fmt, where=str(weights))
-    return fmt
-
-
-def load_exported(path: str | Path, device: str | torch.device = "cpu",
-                  dtype: torch.dtype = torch.float32) -> tuple[Eagle3Head, dict]:
-    """Load any of the three export formats back into an Eagle3Head; returns (head, eyas_export.json or {})."""
+def read_validated_export(path: str | Path) -> tuple[str, dict, dict]:
+    """(format, config.json, tensors) of an export directory, its tensors checked against its own config."""
     path = Path(path)
     cfg_file, weights = path / "config.json", path / WEIGHTS
     if not cfg_file.exists() or not weights.exists():
@@ -468,6 +455,19 @@ def load_exported(path: str | Path, device: str | torch.device = "cpu",
     fmt = detect_format(cfg)
     tensors = read_safetensors(weights)
     validate_tensors(tensors, cfg, fmt, where=str(weights))
+    return fmt, cfg, tensors
+
+
+def validate_export(path: str | Path) -> str:
+    """Check an export directory's tensors against its own config.json; returns its format."""
+    return read_validated_export(path)[0]
+
+
+def load_exported(path: str | Path, device: str | torch.device = "cpu",
+                  dtype: torch.dtype = torch.float32) -> tuple[Eagle3Head, dict]:
+    """Load any of the three export formats back into an Eagle3Head; returns (head, eyas_export.json or {})."""
+    path = Path(path)
+    fmt, cfg, tensors = read_validated_export(path)
     info = json.loads((path / EXPORT_METADATA).read_text()) if (path / EXPORT_METADATA).exists() else {}
     config = Eagle3Config.from_dict(info["head_config"]) if "head_config" in info else config_from_export(cfg, fmt)
     head = Eagle3Head(config)
