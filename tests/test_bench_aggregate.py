@@ -2,33 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 import pytest
 
 from eyas.eval.bench import (BenchPrompt, PromptResult, acceptance_figures, by_category, cost_model,
                              inter_token_latencies, percentiles, plain_json, predicted_speedup, speed_figures,
                              summarize, token_agreement)
-
-
-@dataclass
-class Stats:
-    """The fields of eval/decoder.py's GenerationStats that the bench reads."""
-    tokens: list[int]
-    token_times_s: list[float] = field(default_factory=list)
-    ttft_s: float = 0.0
-    target_forwards: int = 0
-    drafts: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
-    reached_per_position: list[int] = field(default_factory=list)
-    time_target_s: float = 0.0
-    time_draft_s: float = 0.0
-    time_other_s: float = 0.0
-    finish_reason: str = "length"
-    text: str = ""
+from eyas.eval.decoder import GenerationStats as Stats
 
 
 def test_tau_is_pooled_not_a_mean_of_per_prompt_means():
