@@ -52,6 +52,9 @@ class DataConfig:
     regenerate_batch_size: int = 16
     regenerate_temperature: float = 0.0
     regenerate_max_records: int | None = None
+    # Only prompts of at most this many tokens are regenerated (the others are dropped); null: any prompt
+    # that leaves room for an answer within max_length. Short prompts make regeneration much cheaper.
+    regenerate_max_prompt_tokens: int | None = None
     # Held-out prompts written to data/prompts.jsonl, per category, taken from the validation split.
     prompts_per_category: int = 64
     seed: int = 0

@@ -69,12 +69,19 @@ def regenerate_groups(recipe, tokenizer, groups, out: Path) -> list[tuple[Corpus
     from eyas.data.targets import load_target
 
     cfg = recipe.data
+    from eyas.data.linear_kernels import tune_linear_kernels
+
     model, _ = load_target(recipe.target)
+    # Every decode step of a batch has batch_size rows: on the CPU pick the faster matmul layout for that.
+    tune_linear_kernels(model, row_counts=(cfg.regenerate_batch_size,))
     records = [r for _, found in groups for r in found]
+    max_prompt = cfg.max_length - cfg.min_assistant_tokens
+    if cfg.regenerate_max_prompt_tokens is not None:
+        max_prompt = min(max_prompt, cfg.regenerate_max_prompt_tokens)
     answered = {r.record_id: r for r in regenerate(model, tokenizer, records, regeneration_log(recipe, out),
                                                    cfg.regenerate_max_new_tokens, cfg.regenerate_batch_size,
                                                    cfg.regenerate_temperature, cfg.regenerate_max_records, cfg.seed,
-                                                   max_prompt_tokens=cfg.max_length - cfg.min_assistant_tokens)}
+                                                   max_prompt_tokens=max_prompt)}
     return [(stats, [answered[r.record_id] for r in found if r.record_id in answered]) for stats, found in groups]
 
 

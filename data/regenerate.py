@@ -107,15 +107,16 @@ def regenerate(model, tokenizer, records: list[Record], cache: Path, max_new_tok
     cache = Path(cache)
     cache.parent.mkdir(parents=True, exist_ok=True)
     chat = [r for r in records if r.is_chat]
+    lengths = dict(zip((r.record_id for r in chat), prompt_lengths(tokenizer, chat)))
     if max_prompt_tokens is not None:
-        chat = [r for r, n in zip(chat, prompt_lengths(tokenizer, chat)) if n <= max_prompt_tokens]
+        chat = [r for r in chat if lengths[r.record_id] <= max_prompt_tokens]
     if max_records is not None:
         chat = chat[:max_records]
     drop_partial_line(cache)
     done = read_done(cache)
     todo = [r for r in chat if r.record_id not in done]
-    # Similar lengths in a batch waste less padding.
-    todo.sort(key=lambda r: sum(len(m["content"]) for m in first_turn_prompt(r.messages)))
+    # Similar prompt lengths in a batch waste less left padding.
+    todo.sort(key=lambda r: lengths[r.record_id])
     with tqdm(total=len(chat), initial=len(chat) - len(todo), desc="regenerate", unit="rec") as bar:
         for b in range(0, len(todo), batch_size):
             batch = todo[b:b + batch_size]

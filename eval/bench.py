@@ -530,6 +530,14 @@ def run_bench(recipe, head_dir=None, prompts=None) -> Path:
               "to measure again")
         return out_dir / "report.json"
     model, tokenizer, head = load_bench_inputs(recipe, head_dir)
+    kernel_table = []
+    if bench.linear_kernels == "auto":
+        from eyas.data.linear_kernels import format_kernel_table, tune_linear_kernels
+
+        kernel_table = tune_linear_kernels(model, head)
+        if kernel_table:
+            print("[bench] linear layout per row count (target + head, one pass over all layers):\n"
+                  + format_kernel_table(kernel_table), flush=True)
     chosen = select_prompts(all_prompts, bench.num_prompts)
     device = model.device
     encoded = [encode_prompt(tokenizer, p, device) for p in chosen]
@@ -577,6 +585,7 @@ def run_bench(recipe, head_dir=None, prompts=None) -> Path:
         "prompts_file": str(Path(prompts_path).resolve()),
         "environment": {"device": str(device), "dtype": str(model.dtype).removeprefix("torch."),
                         "torch": torch.__version__, "threads": torch.get_num_threads(),
+                        "linear_kernels": kernel_table,
                         "cuda_device": torch.cuda.get_device_name(device) if device.type == "cuda" else None},
         "created_unix": time.time(),
     })

@@ -37,7 +37,14 @@ class BenchConfig:
     # Chain length at which alpha is measured; null: export.num_speculative_tokens, else decoder.num_speculative_tokens.
     alpha_chain_length: int | None = None
     autotune: bool = False
+    # auto: on the CPU, time two matmul layouts per row count on the target's and head's linear layers and
+    # use the faster (data/linear_kernels.py); plain and speculative decoding both run with it. off: stock.
+    linear_kernels: str = "auto"
     seed: int = 0
+
+    def __post_init__(self):
+        if self.linear_kernels not in ("auto", "off"):
+            raise ValueError(f"bench.linear_kernels must be 'auto' or 'off', got {self.linear_kernels!r}")
 
 
 @dataclass

@@ -1,0 +1,80 @@
+"""The small-batch matmul layout: same numbers as F.linear, installed per row count, lossless decoding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conftest import tiny_target
+from eyas.data.linear_kernels import (ROW_COUNTS, SmallBatchLinear, install_linear_kernels, remove_linear_kernels,
+                                      tune_linear_kernels)
+from eyas.eval.config import DecoderConfig
+from eyas.eval.decoder import PlainDecoder, SpeculativeDecoder
+from test_decoder_lossless import VOCAB, fit_head, greedy_sequences, new_head, random_prompts, tokenizer  # noqa: F401
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(7,), (3, 7), (2, 3, 7), (1, 1, 7)])
+def test_mm_layout_matches_f_linear(bias, shape):
+    torch.manual_seed(0)
+    layer = nn.Linear(7, 5, bias=bias)
+    x = torch.randn(*shape)
+    want = F.linear(x, layer.weight, layer.bias)
+    rows = x.numel() // 7
+    install_linear_kernels([layer], frozenset({rows}))
+    assert type(layer) is SmallBatchLinear
+    got = layer(x)
+    assert got.shape == want.shape and got.is_contiguous()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # The layout really switched: a row count outside the set takes F.linear, inside it torch.mm.
+    calls = []
+    real_mm = torch.mm
+    try:
+        torch.mm = lambda *a: calls.append(1) or real_mm(*a)
+        layer(x)
+        layer(torch.randn(rows + 1, 7))
+    finally:
+        torch.mm = real_mm
+    assert calls == [1]
+
+
+def test_tune_installs_on_every_linear_and_remove_restores():
+    model = tiny_target("llama", VOCAB)
+    ids = torch.randint(3, VOCAB, (1, 4))
+    want = model(ids).logits
+    table = tune_linear_kernels(model, row_counts=(1, 4, 8), repeats=1)
+    assert [row["rows"] for row in table] == [1, 4, 8]
+    assert all(row["layout"] in ("mm", "linear") and row["linear_ms"] > 0 and row["mm_ms"] > 0 for row in table)
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert linears and all(type(m) is SmallBatchLinear for m in linears)
+    chosen = {r for row, upper in zip(table, [4, 8, 9]) if row["layout"] == "mm" for r in range(row["rows"], upper)}
+    assert linears[0].mm_rows == chosen
+    torch.testing.assert_close(model(ids).logits, want, rtol=1e-5, atol=1e-5)
+    remove_linear_kernels(model)
+    assert all(type(m) is nn.Linear and not hasattr(m, "mm_rows") for m in linears)
+
+
+def test_nothing_is_installed_off_the_cpu():
+    model = tiny_target("llama", VOCAB).to("meta")
+    assert tune_linear_kernels(model, row_counts=(1,), repeats=1) == []
+    assert all(type(m) is nn.Linear for m in model.modules() if isinstance(m, nn.Linear))
+    assert ROW_COUNTS[0] == 1
+
+
+def test_greedy_decoding_stays_lossless_with_the_mm_layout(tokenizer):
+    """Every verify width through torch.mm, plain steps too: the speculative output is still the target's."""
+    model = tiny_target("llama", VOCAB)
+    prompts = random_prompts(2)
+    head = new_head(model)
+    fit_head(model, head, greedy_sequences(model, tokenizer, prompts, 24), steps=40, lr=3e-2)
+    install_linear_kernels([model, head], frozenset(range(1, 65)))
+    cfg = DecoderConfig(mode="tree", depth=3, topk=2, budget=4, max_new_tokens=24)
+    plain, spec = PlainDecoder(model, tokenizer, cfg), SpeculativeDecoder(model, head, tokenizer, cfg)
+    accepted = 0
+    for ids in prompts:
+        want, got = plain.generate(ids), spec.generate(ids)
+        assert got.tokens == want.tokens
+        accepted += got.accepted_tokens
+    assert accepted > 0
