@@ -551,8 +551,13 @@ def run_bench(recipe, head_dir=None, prompts=None) -> Path:
     runners = build_runners(model, head, tokenizer, cfg, bench, k_alpha)
 
     with torch.inference_mode():
+        # Short warm-up runs reach the same kernels and caches as the measured ones.
+        from eyas.eval.decoder import WARMUP_TOKENS
+
+        warm = build_runners(model, head, tokenizer, dataclasses.replace(cfg, max_new_tokens=WARMUP_TOKENS), bench,
+                             k_alpha)
         for i, ids in enumerate(tqdm(warmup_ids, desc="bench warm-up", leave=False)):
-            runners.run_prompt(chosen[0], ids, -1 - i)
+            warm.run_prompt(chosen[0], ids, -1 - i)
         results = []
         bar = tqdm(list(zip(chosen, encoded)), desc="bench", unit="prompt")
         for i, (prompt, ids) in enumerate(bar):

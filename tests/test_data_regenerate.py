@@ -90,8 +90,10 @@ def test_max_records_limits_the_chat_records(tiny_model, tokenizer, tmp_path):
     assert sorted(item["record_id"] for item in lines) == ["id0", "id1"]
 
 
-def test_prepare_with_regeneration_uses_the_targets_answers(tiny_model, tokenizer, tmp_path):
-    """run_prepare end to end on a tiny random target saved as a local model directory."""
+@pytest.mark.parametrize("max_prompt_tokens", [None, "shortest"])
+def test_prepare_with_regeneration_uses_the_targets_answers(tiny_model, tokenizer, tmp_path, max_prompt_tokens):
+    """run_prepare end to end on a tiny random target saved as a local model directory; with
+    regenerate_max_prompt_tokens only the prompts that short are answered (and kept)."""
     from datasets import load_from_disk
 
     from eyas.data.config import CorpusConfig, DataConfig
@@ -101,7 +103,7 @@ def test_prepare_with_regeneration_uses_the_targets_answers(tiny_model, tokenize
     target = tmp_path / "tiny-target"
     tiny_model.save_pretrained(target)
     tokenizer.save_pretrained(target)
-    items = [{"conversations": [{"from": "human", "value": f"Question {i}?"},
+    items = [{"conversations": [{"from": "human", "value": f"Question {i}?" + " Really?" * i},
                                 {"from": "gpt", "value": "An original answer that is long enough."},
                                 {"from": "human", "value": "More?"}, {"from": "gpt", "value": "Later turn."}]}
              for i in range(5)]
@@ -111,12 +113,18 @@ def test_prepare_with_regeneration_uses_the_targets_answers(tiny_model, tokenize
     recipe.data = DataConfig(corpora=[CorpusConfig(kind="json", path=str(tmp_path / "chat.json"))], regenerate=True,
                              regenerate_max_new_tokens=10, regenerate_batch_size=2, validation_fraction=0.0,
                              min_assistant_tokens=1)
+    expected = 5
+    if max_prompt_tokens == "shortest":
+        shortest = regen.prompt_lengths(tokenizer, [Record("q", "s", "chat", messages=[
+            {"role": "user", "content": "Question 0?"}, {"role": "assistant", "content": "a"}])])[0]
+        recipe.data.regenerate_max_prompt_tokens = shortest + 2  # "Question 0?" and "Question 1? Really?"
+        expected = 2
     out = run_prepare(recipe)
     [log] = out.glob("regenerated-*.jsonl")
     answers = regen.read_done(log)
-    assert len(answers) == 5
+    assert len(answers) == expected
     train = load_from_disk(str(out))["train"]
-    assert len(train) == 5
+    assert len(train) == expected
     for ids, mask, rid in zip(train["input_ids"], train["loss_mask"], train["record_id"]):
         text = tokenizer.decode(ids)
         assert "original answer" not in text and "Later turn" not in text
