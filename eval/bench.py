@@ -19,8 +19,9 @@ Main report.json fields (the same figures again per category under `by_category`
     ttft_ms, itl_ms      p50/p90/p99 per decoder; an ITL is the gap between token arrivals, tokens accepted in one
                          verify step arriving together (as a streaming client sees them)
     lossless             greedy speculative tokens == plain tokens on every prompt (exact only in fp32)
-    cost_model           verify/draft/other cost per step relative to a plain step, and the speedup that alpha,
-                         K and those costs predict
+    cost_model           verify/draft/other cost per step relative to a plain step, and the speedup that
+                         1 + K * alpha tokens per step at those costs predict (and the classic independent-
+                         acceptance estimate, predicted_speedup_independent)
 """
 
 from __future__ import annotations
@@ -252,10 +253,12 @@ def speedup_interval(spec_tokens: Sequence[int], spec_s: Sequence[float], plain_
 
 
 def predicted_speedup(alpha: float, k: int, verify_cost: float = 1.0, draft_cost: float = 0.0,
-                      other_cost: float = 0.0) -> float | None:
-    """Classic chain estimate: expected tokens per step (1 - alpha^(K+1)) / (1 - alpha), over the cost of a
-    step (one verify forward + K draft forwards + overhead), all costs relative to one plain decoding step."""
-    tokens_per_step = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+                      other_cost: float = 0.0, tokens_per_step: float | None = None) -> float | None:
+    """Tokens per step over the cost of a step (one verify forward + K draft forwards + overhead), all costs
+    relative to one plain decoding step. Without `tokens_per_step`, the classic estimate for a per-token
+    acceptance probability alpha that is the same at every depth: (1 - alpha^(K+1)) / (1 - alpha)."""
+    if tokens_per_step is None:
+        tokens_per_step = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
     cost = verify_cost + k * draft_cost + other_cost
     return tokens_per_step / cost if cost > 0 else None  # no measured cost: no prediction
 
@@ -278,6 +281,9 @@ def cost_model(plain: Sequence[Any], plain_wall: Sequence[float], chain: Sequenc
     verify_cost = verify_s / chain_steps / plain_step
     draft_cost = (sum(c.time_draft_s for c in chain) / draft_forwards / plain_step) if draft_forwards else 0.0
     other_cost = sum(c.time_other_s for c in chain) / chain_steps / plain_step
+    # alpha is accepted / drafted over chain steps of K drafts, so a step yields 1 + K * alpha tokens on
+    # average: measured, not the classic formula (acceptances at successive depths are far from independent).
+    tokens = 1 + k * alpha
     return {
         "k": k,
         "alpha": alpha,
@@ -285,9 +291,10 @@ def cost_model(plain: Sequence[Any], plain_wall: Sequence[float], chain: Sequenc
         "verify_cost": verify_cost,
         "draft_cost": draft_cost,
         "other_cost": other_cost,
-        "expected_tokens_per_step": predicted_speedup(alpha, k),
-        "predicted_speedup_free_draft": predicted_speedup(alpha, k),
-        "predicted_speedup": predicted_speedup(alpha, k, verify_cost, draft_cost, other_cost),
+        "expected_tokens_per_step": tokens,
+        "predicted_speedup_free_draft": tokens,
+        "predicted_speedup": predicted_speedup(alpha, k, verify_cost, draft_cost, other_cost, tokens_per_step=tokens),
+        "predicted_speedup_independent": predicted_speedup(alpha, k, verify_cost, draft_cost, other_cost),
     }
 
 

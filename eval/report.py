@@ -98,7 +98,7 @@ def write_summary(report: dict, path: str | Path) -> Path:
         lines += ["", f"Chain K={cost['k']}: a verify forward costs {cost['verify_cost']:.2f} plain steps, a draft "
                   f"forward {cost['draft_cost']:.3f}, other overhead {cost['other_cost']:.3f} per step. "
                   f"With alpha={cost['alpha']:.3f} a step yields {cost['expected_tokens_per_step']:.2f} tokens on "
-                  f"average, so the classic formula predicts {cost['predicted_speedup']:.2f}x "
+                  f"average, so these costs predict {cost['predicted_speedup']:.2f}x "
                   f"(measured chain: {fmt(report.get('chain_speedup'), '.2f', 'x')}; with free drafting and verify "
                   f"as cheap as a plain step: {cost['predicted_speedup_free_draft']:.2f}x)."]
     lines += ["", f"Lossless: {report['lossless']}. {report.get('lossless_note', '')}", ""]

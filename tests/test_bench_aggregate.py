@@ -90,7 +90,10 @@ def test_cost_model_takes_prefill_out_of_both_decoders():
     assert model["verify_cost"] == pytest.approx(1.2)
     assert model["draft_cost"] == pytest.approx(0.2)
     assert model["other_cost"] == pytest.approx(0.1)
-    assert model["predicted_speedup"] == pytest.approx(predicted_speedup(0.6, 2, 1.2, 0.2, 0.1))
+    # alpha = accepted / drafted, so a step of K=2 drafts yields 1 + 2 * 0.6 tokens on average.
+    assert model["expected_tokens_per_step"] == pytest.approx(2.2)
+    assert model["predicted_speedup"] == pytest.approx(2.2 / (1.2 + 2 * 0.2 + 0.1))
+    assert model["predicted_speedup_independent"] == pytest.approx(predicted_speedup(0.6, 2, 1.2, 0.2, 0.1))
 
 
 def _result(line, category, plain_tokens, spec_tokens, plain_wall, spec_wall, accepted, drafts):
