@@ -23,6 +23,11 @@ from torch import nn
 ROW_COUNTS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
+def mm_layout(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] @ weight.T as (weight @ x.T).T, contiguous as F.linear's output is (callers .view() it)."""
+    return torch.mm(weight, x.t()).t().contiguous()
+
+
 class SmallBatchLinear(nn.Linear):
     """nn.Linear that computes (W @ x.T).T for the row counts in `mm_rows` (same result, other kernel)."""
 
@@ -32,8 +37,7 @@ class SmallBatchLinear(nn.Linear):
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if rows not in self.mm_rows:
             return F.linear(x, self.weight, self.bias)
-        # Contiguous, as F.linear's output is: callers .view() it.
-        y = torch.mm(self.weight, x.reshape(rows, x.shape[-1]).t()).t().contiguous()
+        y = mm_layout(self.weight, x.reshape(rows, x.shape[-1]))
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.weight.shape[0])
@@ -51,7 +55,7 @@ def _time_layout(layers: list[nn.Linear], rows: int, use_mm: bool) -> float:
     start = time.perf_counter()
     for m in layers:
         x = inputs[m.in_features]
-        torch.mm(m.weight, x.t()).t().contiguous() if use_mm else F.linear(x, m.weight, m.bias)
+        mm_layout(m.weight, x) if use_mm else F.linear(x, m.weight, m.bias)
     return time.perf_counter() - start
 
 

@@ -66,11 +66,10 @@ def regeneration_log(recipe, out: Path) -> Path:
 
 def regenerate_groups(recipe, tokenizer, groups, out: Path) -> list[tuple[CorpusStats, list[Record]]]:
     from eyas.data.regenerate import regenerate
+    from eyas.data.linear_kernels import tune_linear_kernels
     from eyas.data.targets import load_target
 
     cfg = recipe.data
-    from eyas.data.linear_kernels import tune_linear_kernels
-
     model, _ = load_target(recipe.target)
     # Every decode step of a batch has batch_size rows: on the CPU pick the faster matmul layout for that.
     tune_linear_kernels(model, row_counts=(cfg.regenerate_batch_size,))

@@ -488,7 +488,7 @@ class SpeculativeDecoder(_Base):
 
 # ---- auto-tune --------------------------------------------------------------------------------------
 # A GPU verifies dozens of tokens for the price of one, so wide trees pay there. On a CPU every verified
-# row costs (a 4-token verify of SmolLM2 ~1.2 plain steps with data/linear_kernels.py, ~1.7 without),
+# row costs (a 4-token verify of SmolLM2 ~1.0-1.2 plain steps with data/linear_kernels.py, ~1.7 without),
 # so only short chains and small trees are worth timing.
 GPU_SHAPES = (
     {"mode": "chain", "num_speculative_tokens": 2},
