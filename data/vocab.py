@@ -12,7 +12,6 @@ vocabulary can express) is reported for several sizes in coverage.json/.md/.png.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -21,8 +20,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from eyas.data.prepare import DONE, atomic_write_text, read_done, write_done
-from eyas.data.targets import resolve_target, text_config
+from eyas.data.atomic import atomic_write, atomic_write_text
+from eyas.data.config import VocabConfig
+from eyas.data.targets import Target
 
 VOCAB_FILE = "vocab.safetensors"
 
@@ -32,15 +32,6 @@ class VocabError(ValueError):
 
 
 # ---- counting ---------------------------------------------------------------------------------
-
-def target_vocab_size(target_cfg) -> int:
-    """From the target's config (the lm_head's rows), not len(tokenizer), which can differ."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(resolve_target(target_cfg.name_or_path),
-                                        trust_remote_code=target_cfg.trust_remote_code)
-    return int(text_config(config).vocab_size)
-
 
 def masked_token_counts(split, vocab_size: int, where: str) -> np.ndarray:
     """Counts per target id of the tokens under the loss mask; ids outside the vocab are an error."""
@@ -93,11 +84,8 @@ def target_to_draft(t2d: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor
 
 
 def save_vocab(path: Path, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    save_file({"d2t": d2t.to(torch.long).contiguous(), "t2d": t2d.to(torch.bool).contiguous()}, str(tmp),
-              metadata={"format": "pt"})
-    tmp.replace(path)
+    tensors = {"d2t": d2t.to(torch.long).contiguous(), "t2d": t2d.to(torch.bool).contiguous()}
+    atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
 
 
 def load_vocab(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,12 +115,12 @@ def load_vocab(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
 # ---- target argmax coverage ---------------------------------------------------------------------
 
 @torch.no_grad()
-def target_argmax_counts(recipe, split, vocab_size: int, max_positions: int, batch_size: int) -> np.ndarray:
+def target_argmax_counts(target: Target, split, vocab_size: int, max_positions: int, batch_size: int) -> np.ndarray:
     """Counts of the target's greedy next token at up to `max_positions` masked positions of `split`."""
-    from eyas.data.targets import aux_layer_ids_for, load_target, logits_from_final_hidden, target_features
+    from eyas.data.targets import logits_from_final_hidden, target_features
 
-    model, _ = load_target(recipe.target)
-    layer_ids = aux_layer_ids_for(model, recipe.target)
+    model = target.load_model()
+    layer_ids = target.aux_layer_ids
     counts = np.zeros(vocab_size, dtype=np.int64)
     rows, budget = [], max_positions
     for ids, mask in zip(split["input_ids"], split["loss_mask"]):
@@ -219,28 +207,16 @@ def plot_coverage(table: list[dict], chosen: int, path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=120)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120))
     plt.close(fig)
-    tmp.replace(path)
 
 
-def run_vocab(recipe) -> Path:
+def build_vocab(cfg: VocabConfig, target: Target, data_dir: Path, out: Path) -> dict:
+    """The draft vocabulary of the prepared data in `data_dir`, written to `out`; returns its sizes for DONE."""
     from datasets import load_from_disk
 
-    cfg = recipe.vocab
-    data_dir, out = recipe.stage_dir("data"), recipe.stage_dir("vocab")
-    data_done = read_done(data_dir)
-    if data_done is None:
-        raise FileNotFoundError(f"{data_dir / DONE} does not exist; run `eyas prepare <recipe>` first")
-    input_hash = hashlib.sha256(f"{recipe.section_hash('target', 'vocab')}:{data_done['input_hash']}"
-                                .encode()).hexdigest()[:16]
-    if (done := read_done(out)) and done.get("input_hash") == input_hash:
-        return out
     out.mkdir(parents=True, exist_ok=True)
-    (out / DONE).unlink(missing_ok=True)
-
-    vocab_size = target_vocab_size(recipe.target)
+    vocab_size = target.vocab_size
     data = load_from_disk(str(data_dir))
     for name in ("train", "validation"):
         if name not in data:
@@ -258,7 +234,7 @@ def run_vocab(recipe) -> Path:
     size = choose_size(cfg, len(ranked), coverage_table(sizes, ranked, counts), data_dir)
     # The target's argmax is the costly part; it comes after the size is known to be valid.
     if cfg.argmax_positions > 0 and len(data["validation"]):
-        counts["target_argmax"] = target_argmax_counts(recipe, data["validation"], vocab_size,
+        counts["target_argmax"] = target_argmax_counts(target, data["validation"], vocab_size,
                                                        cfg.argmax_positions, cfg.argmax_batch_size)
     table = coverage_table(sizes + [size], ranked, counts)
     d2t, t2d = build_mapping(ranked[:size], vocab_size)
@@ -270,5 +246,4 @@ def run_vocab(recipe) -> Path:
     atomic_write_text(out / "coverage.json", json.dumps(report, indent=2))
     atomic_write_text(out / "coverage.md", coverage_markdown(table, size, totals))
     plot_coverage(table, size, out / "coverage.png")
-    write_done(out, input_hash, draft_vocab_size=size, target_vocab_size=vocab_size)
-    return out
+    return {"draft_vocab_size": size, "target_vocab_size": vocab_size}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from eyas.configbase import ConfigError
 
@@ -22,50 +23,47 @@ def _add_recipe(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("overrides", nargs="*", help="section.key=value overrides (YAML values)")
 
 
-def cmd_prepare(args):
-    from eyas.data.prepare import run_prepare
+def _run_stage(args, **options):
+    from eyas.stages import run_one
 
-    print(run_prepare(_recipe(args)))
-
-
-def cmd_vocab(args):
-    from eyas.data.vocab import run_vocab
-
-    print(run_vocab(_recipe(args)))
-
-
-def cmd_collect(args):
-    from eyas.data.collect import run_collect
-
-    print(run_collect(_recipe(args)))
-
-
-def cmd_train(args):
-    from eyas.train.loop import run_train
-
-    print(run_train(_recipe(args)))
+    print(run_one(args.command, _recipe(args), **options))
 
 
 def cmd_bench(args):
-    from eyas.eval.bench import run_bench
+    _run_stage(args, head=args.head, prompts=args.prompts)
 
-    print(run_bench(_recipe(args), head_dir=args.head, prompts=args.prompts))
+
+def gate_thresholds(args):
+    """The recipe's gate section (or the defaults), with any threshold given on the command line on top."""
+    import dataclasses
+
+    from eyas.eval.config import GateConfig
+    from eyas.eval.gate import parse_weights
+    from eyas.recipe import load_recipe
+
+    gate = load_recipe(args.recipe).gate if args.recipe else GateConfig()
+    flags = {"min_alpha": args.min_alpha, "min_speedup": args.min_speedup,
+             "max_itl_p99_regression": args.max_itl_p99_regression,
+             "weights": parse_weights(args.weights) if args.weights else None}
+    return dataclasses.replace(gate, **{k: v for k, v in flags.items() if v is not None})
 
 
 def cmd_gate(args):
     from eyas.eval.gate import run_gate
 
-    return run_gate(args.report, recipe=args.recipe, min_alpha=args.min_alpha, min_speedup=args.min_speedup,
-                    max_itl_p99_regression=args.max_itl_p99_regression, weights=args.weights)
+    return run_gate(args.report, gate_thresholds(args))
 
 
 def cmd_export(args):
+    from eyas.eval.report import serving_settings
     from eyas.heads.export import export_head
 
+    if args.report and not Path(args.report).is_file():
+        raise FileNotFoundError(f"bench report {args.report} does not exist (run `eyas bench <recipe>` first)")
+    settings = serving_settings(args.report, args.num_speculative_tokens)
     for fmt in args.format:
         out = args.out if len(args.format) == 1 else f"{args.out}/{fmt}"
-        print(export_head(args.head, fmt, out, report=args.report, dtype=args.dtype,
-                          num_speculative_tokens=args.num_speculative_tokens, verifier=args.verifier))
+        print(export_head(args.head, fmt, out, dtype=args.dtype, settings=settings, verifier=args.verifier))
 
 
 def cmd_push(args):
@@ -108,10 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     for name, fn, help_ in [
-        ("prepare", cmd_prepare, "load corpora, render chat templates with assistant-only masks, split"),
-        ("vocab", cmd_vocab, "build the trimmed draft vocabulary (d2t/t2d) and its coverage report"),
-        ("collect", cmd_collect, "store the target's hidden states as shards (offline mode)"),
-        ("train", cmd_train, "train the head with training-time test (single process; see accelerate launch)"),
+        ("prepare", _run_stage, "load corpora, render chat templates with assistant-only masks, split"),
+        ("vocab", _run_stage, "build the trimmed draft vocabulary (d2t/t2d) and its coverage report"),
+        ("collect", _run_stage, "store the target's hidden states as shards (offline mode)"),
+        ("train", _run_stage, "train the head with training-time test (`accelerate launch -m eyas train` for "
+                              "several processes)"),
         ("run", cmd_run, "every stage of a recipe, skipping those whose output is valid"),
     ]:
         p = sub.add_parser(name, help=help_)
@@ -169,17 +168,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def one_line_error(exc: BaseException) -> str | None:
+    """The one line to print for an error eyas expects (bad recipe, input, path, disk), or None for a bug."""
+    import errno
+
+    if isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError) and exc.errno is not None:
+        where = exc.filename or "the output folder"
+        fixes = {errno.ENOSPC: "free some space (or point output_dir elsewhere) and rerun: finished work is kept",
+                 errno.EROFS: "the file system is read-only: point output_dir at a writable folder",
+                 errno.EACCES: "no permission: point output_dir at a folder you can write",
+                 errno.EISDIR: "a folder was given where a file is expected",
+                 errno.ENOTDIR: "a file was given where a folder is expected"}
+        return f"{exc.strerror or exc} ({where}); {fixes.get(exc.errno, 'check the path and rerun')}"
+    if isinstance(exc, (ConfigError, FileNotFoundError, ValueError)) or type(exc).__module__.startswith("eyas."):
+        return str(exc)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         code = args.fn(args)
     except Exception as exc:
-        # Errors that eyas raises on purpose (bad recipes, inputs, targets, training stops) and bad paths
-        # are reported in one line; anything else is a bug and keeps its traceback.
-        if not (isinstance(exc, (ConfigError, FileNotFoundError, ValueError))
-                or type(exc).__module__.startswith("eyas.")):
+        # Errors that eyas raises on purpose (bad recipes, inputs, targets, training stops), bad paths and
+        # full or read-only disks are reported in one line; anything else is a bug and keeps its traceback.
+        message = one_line_error(exc)
+        if message is None:
             raise
-        print(f"eyas {args.command}: error: {exc}", file=sys.stderr)
+        print(f"eyas {args.command}: error: {message}", file=sys.stderr)
         return 2
     return int(code or 0)
 

@@ -1,73 +1,38 @@
-"""`eyas run RECIPE`: every stage in order; each stage skips itself when its output is valid.
+"""`eyas run RECIPE`: every stage in order (eyas/stages.py); each stage skips itself when its output is valid.
 
-prepare -> vocab -> collect (offline mode) -> train -> bench -> gate -> export
+prepare -> vocab -> collect -> train -> bench -> gate -> export
 """
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
+from eyas.data.atomic import atomic_write_json, atomic_write_text
+from eyas.data.targets import Target
 from eyas.recipe import Recipe, dump_recipe
-
-STAGES = ["prepare", "vocab", "collect", "train", "bench", "gate", "export"]
-
-
-def _stage_fn(name: str):
-    if name == "prepare":
-        from eyas.data.prepare import run_prepare as fn
-    elif name == "vocab":
-        from eyas.data.vocab import run_vocab as fn
-    elif name == "collect":
-        from eyas.data.collect import run_collect as fn
-    elif name == "train":
-        from eyas.train.loop import run_train as fn
-    elif name == "bench":
-        from eyas.eval.bench import run_bench as fn
-    elif name == "gate":
-        from eyas.eval.gate import run_gate
-
-        def fn(recipe: Recipe):
-            return run_gate(str(recipe.stage_dir("bench") / "report.json"), recipe=recipe)
-    elif name == "export":
-        def fn(recipe: Recipe):
-            from eyas.heads.export import export_head
-
-            report = recipe.stage_dir("bench") / "report.json"
-            outs = []
-            for fmt in recipe.export.formats or ["sglang", "speculators"]:
-                outs.append(export_head(
-                    recipe.stage_dir("head") / "best", fmt, recipe.stage_dir("export") / fmt,
-                    report=str(report) if report.exists() else None, dtype=recipe.export.dtype,
-                    num_speculative_tokens=recipe.export.num_speculative_tokens,
-                    verifier=recipe.target.name_or_path))
-            return outs
-    else:
-        raise ValueError(f"unknown stage '{name}'; stages are {', '.join(STAGES)}")
-    return fn
+from eyas.stages import get_stage, run_one, stage_names
 
 
 def run_all(recipe: Recipe, stages: str | None = None) -> int:
-    chosen = [s.strip() for s in stages.split(",")] if stages else list(STAGES)
-    for s in chosen:
-        if s not in STAGES:
-            raise ValueError(f"unknown stage '{s}'; stages are {', '.join(STAGES)}")
-    if recipe.collect.mode == "online" and "collect" in chosen:
-        chosen.remove("collect")
+    """Run `stages` (comma-separated; default all) of `recipe`; returns the gate's exit code (0 if no gate)."""
+    chosen = [s.strip() for s in stages.split(",")] if stages else stage_names()
+    for name in chosen:
+        get_stage(name)  # an unknown name fails before anything runs
     recipe.out.mkdir(parents=True, exist_ok=True)
-    (recipe.out / "recipe.resolved.yaml").write_text(dump_recipe(recipe))
+    atomic_write_text(recipe.out / "recipe.resolved.yaml", dump_recipe(recipe))
+    target = Target.resolve(recipe.target)  # once for every stage of this run
     timings: dict[str, float] = {}
     gate_code = None
     for name in chosen:
         print(f"\n=== eyas {name} ({recipe.name}) ===", flush=True)
         start = time.perf_counter()
-        result = _stage_fn(name)(recipe)
+        result = run_one(name, recipe, target)
         timings[name] = time.perf_counter() - start
         if name == "gate":
             gate_code = int(result or 0)
         print(f"=== {name} done in {timings[name]:.1f} s", flush=True)
-    (recipe.out / "timings.json").write_text(json.dumps(timings, indent=2))
+    atomic_write_json(recipe.out / "timings.json", timings)
     print_final_table(recipe, timings, gate_code)
     return gate_code or 0
 
@@ -78,7 +43,9 @@ def print_final_table(recipe: Recipe, timings: dict[str, float], gate_code: int 
     print(f"eyas run {recipe.name}: {sum(timings.values()) / 60:.1f} min "
           + " ".join(f"{k}={v:.0f}s" for k, v in timings.items()))
     if report_path.exists():
-        report = json.loads(report_path.read_text())
+        from eyas.eval.report import load_report
+
+        report = load_report(report_path)
         rows = [("all", report)] + sorted((report.get("by_category") or {}).items())
         print(f"{'category':<12}{'alpha':>8}{'tau':>8}{'speedup':>9}{'spec tok/s':>12}{'plain tok/s':>12}")
         for cat, r in rows:
@@ -101,15 +68,13 @@ def new_recipe(target_dir: str | None, out: str | None = None) -> Path:
     """Write a starting recipe for any target directory, with every section at its defaults."""
     if not target_dir:
         raise ValueError("eyas recipe new TARGET_DIR: give the target directory or Hub id")
-    from transformers import AutoConfig
+    from eyas.data.config import TargetConfig
 
-    from eyas.data.targets import default_aux_layer_ids, resolve_target, text_config
-
-    config = text_config(AutoConfig.from_pretrained(resolve_target(target_dir)))
+    target = Target.resolve(TargetConfig(name_or_path=target_dir))
     name = Path(target_dir.rstrip("/")).name.lower()
     recipe = Recipe(name=name, description=f"Starting recipe for {target_dir}", output_dir=f"runs/{name}")
     recipe.target.name_or_path = target_dir
-    recipe.target.aux_layer_ids = default_aux_layer_ids(config.num_hidden_layers)
+    recipe.target.aux_layer_ids = target.aux_layer_ids
     path = Path(out or f"{name}.yaml")
     header = ("# Written by `eyas recipe new`. Every key is documented in recipes/smollm2-135m-cpu.yaml;\n"
               "# override any with section.key=value on the command line.\n")

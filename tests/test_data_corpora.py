@@ -171,12 +171,14 @@ def test_missing_path_and_unknown_kind_are_clear():
 
 
 def test_data_config_builds_corpora_from_mappings():
-    cfg = DataConfig(corpora=[{"kind": "stdlib", "max_records": 5}])
+    from eyas.configbase import from_dict
+
+    cfg = from_dict(DataConfig, {"corpora": [{"kind": "stdlib", "max_records": 5}]}, "data")
     assert isinstance(cfg.corpora[0], CorpusConfig) and cfg.corpora[0].max_records == 5
     with pytest.raises(ValueError, match=r"data.corpora\[0\].pth"):
-        DataConfig(corpora=[{"kind": "json", "pth": "x"}])
+        from_dict(DataConfig, {"corpora": [{"kind": "json", "pth": "x"}]}, "data")
     with pytest.raises(ValueError, match="overflow"):
-        DataConfig(overflow="wrap")
+        from_dict(DataConfig, {"overflow": "wrap"}, "data")
 
 
 def _chat(i):

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from eyas.data.config import CorpusConfig, DataConfig
-from eyas.data.prepare import run_prepare
+from eyas.stages import run_one
 from eyas.data.templates import parent_id
 from eyas.recipe import Recipe, load_recipe
 
@@ -34,7 +34,7 @@ def test_prepare_writes_the_dataset_prompts_stats_and_done(tmp_path):
                CorpusConfig(kind="stdlib", glob="json/*.py"),
                CorpusConfig(kind="humaneval", max_records=30)]
     recipe = recipe_for(tmp_path, corpora)
-    out = run_prepare(recipe)
+    out = run_one("prepare", recipe)
     assert out == recipe.stage_dir("data")
     data = load_from_disk(str(out))
     assert set(data) == {"train", "validation"}
@@ -69,14 +69,14 @@ def test_prepare_writes_the_dataset_prompts_stats_and_done(tmp_path):
 def test_done_skips_unchanged_inputs_and_redoes_changed_ones(tmp_path):
     path = chat_file(tmp_path / "chat.json", 20)
     recipe = recipe_for(tmp_path, [CorpusConfig(kind="json", path=str(path))])
-    out = run_prepare(recipe)
+    out = run_one("prepare", recipe)
     first = json.loads((out / "DONE.json").read_text())
-    assert json.loads((run_prepare(recipe) / "DONE.json").read_text()) == first  # skipped: same finish time
+    assert json.loads((run_one("prepare", recipe) / "DONE.json").read_text()) == first  # skipped: same finish time
     chat_file(path, 30)  # the corpus grew
-    second = json.loads((run_prepare(recipe) / "DONE.json").read_text())
+    second = json.loads((run_one("prepare", recipe) / "DONE.json").read_text())
     assert second["input_hash"] != first["input_hash"] and sum(second["samples"].values()) > sum(first["samples"].values())
     recipe.data.max_length = 128  # a setting changed
-    assert json.loads((run_prepare(recipe) / "DONE.json").read_text())["input_hash"] != second["input_hash"]
+    assert json.loads((run_one("prepare", recipe) / "DONE.json").read_text())["input_hash"] != second["input_hash"]
 
 
 def test_records_keep_their_split_when_the_corpus_grows(tmp_path):
@@ -84,28 +84,64 @@ def test_records_keep_their_split_when_the_corpus_grows(tmp_path):
 
     path = tmp_path / "chat.json"
     recipe = recipe_for(tmp_path, [CorpusConfig(kind="json", path=str(chat_file(path, 40)))])
-    before = load_from_disk(str(run_prepare(recipe)))
+    before = load_from_disk(str(run_one("prepare", recipe)))
     chat_file(path, 120)
-    after = load_from_disk(str(run_prepare(recipe)))
+    after = load_from_disk(str(run_one("prepare", recipe)))
     for split in ("train", "validation"):
         assert set(before[split]["record_id"]) <= set(after[split]["record_id"])
 
 
-def test_overflow_drop_and_duplicates_are_counted(tmp_path):
-    items = [{"conversations": [{"from": "human", "value": "long?"}, {"from": "gpt", "value": "word " * 400}]},
-             {"conversations": [{"from": "human", "value": "short?"}, {"from": "gpt", "value": "A short answer here, "
-                                                                                             "long enough to train."}]}]
-    path = tmp_path / "c.json"
-    path.write_text(json.dumps(items + items[1:]))
-    recipe = recipe_for(tmp_path, [CorpusConfig(kind="json", path=str(path))], overflow="drop",
-                        validation_fraction=0.0)
-    stats = json.loads((run_prepare(recipe) / "stats.json").read_text())
-    assert stats["render_skipped"] == {"too_long": 1} and stats["corpora"][0]["skipped"] == {"duplicate": 1}
-    assert stats["corpora"][0]["render_skipped"] == {"too_long": 1} and stats["corpora"][0]["samples"] == 1
-    assert stats["splits"]["train"]["samples"] == 1 and stats["splits"]["validation"]["samples"] == 0
-    from datasets import load_from_disk
+def short_items(n):
+    return [{"conversations": [{"from": "human", "value": f"short {i}?"},
+                               {"from": "gpt", "value": f"A short answer number {i}, long enough to train."}]}
+            for i in range(n)]
 
-    assert len(load_from_disk(str(recipe.stage_dir("data")))["validation"]) == 0  # an empty split still loads
+
+def test_overflow_drop_and_duplicates_are_counted(tmp_path):
+    long = {"conversations": [{"from": "human", "value": "long?"}, {"from": "gpt", "value": "word " * 400}]}
+    items = short_items(20)
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps([long] + items + items[:1]))
+    recipe = recipe_for(tmp_path, [CorpusConfig(kind="json", path=str(path))], overflow="drop",
+                        validation_fraction=0.3)
+    stats = json.loads((run_one("prepare", recipe) / "stats.json").read_text())
+    assert stats["render_skipped"] == {"too_long": 1} and stats["corpora"][0]["skipped"] == {"duplicate": 1}
+    assert stats["corpora"][0]["render_skipped"] == {"too_long": 1} and stats["corpora"][0]["samples"] == 20
+    assert stats["splits"]["train"]["samples"] + stats["splits"]["validation"]["samples"] == 20
+
+
+@pytest.mark.parametrize("case", ["empty_jsonl", "binary_folder", "all_unusable", "no_validation"])
+def test_prepare_refuses_data_that_leaves_nothing_to_train_or_validate_on(tmp_path, case):
+    if case == "empty_jsonl":
+        (tmp_path / "c.jsonl").write_text("")
+        corpus, match = CorpusConfig(kind="jsonl", path=str(tmp_path / "c.jsonl")), r"c.jsonl: no usable records: read 0"
+    elif case == "binary_folder":
+        (tmp_path / "docs").mkdir()
+        for i in range(3):
+            (tmp_path / "docs" / f"f{i}.bin").write_bytes(bytes(range(128, 256)) * 4)
+        corpus, match = CorpusConfig(kind="text", path=str(tmp_path / "docs")), r"docs: no usable records: read 3, .*not_utf8 3"
+    elif case == "all_unusable":  # every answer too short to train on
+        (tmp_path / "c.json").write_text(json.dumps([{"conversations": [{"from": "human", "value": f"q{i}"},
+                                                                        {"from": "gpt", "value": "ok"}]}
+                                                     for i in range(5)]))
+        corpus, match = CorpusConfig(kind="json", path=str(tmp_path / "c.json")), r"c.json: no usable records: read 5, kept 5, samples 0 \(too_few_assistant_tokens 5\)"
+    else:
+        (tmp_path / "c.json").write_text(json.dumps(short_items(10)))
+        corpus, match = CorpusConfig(kind="json", path=str(tmp_path / "c.json")), r"the validation split is empty \(10 samples, validation_fraction 0.0\)"
+    recipe = recipe_for(tmp_path, [corpus], validation_fraction=0.0 if case == "no_validation" else 0.2)
+    with pytest.raises(ValueError, match=match):
+        run_one("prepare", recipe)
+    assert not (recipe.stage_dir("data") / "DONE.json").exists()
+
+
+def test_corpus_files_that_cannot_be_read_are_named(tmp_path):
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"messages": []}\n{"messages": [{"role": "user", "content": "caf\xe9"}]}\n')
+    recipe = recipe_for(tmp_path, [CorpusConfig(kind="jsonl", path=str(tmp_path / "latin1.jsonl"))])
+    with pytest.raises(ValueError, match=r"latin1.jsonl: line 2: not UTF-8 \(byte 0xe9"):
+        run_one("prepare", recipe)
+    recipe = recipe_for(tmp_path, [CorpusConfig(kind="sharegpt", path=str(tmp_path))])
+    with pytest.raises(ValueError, match=r"corpus 'sharegpt': .* is a folder, and this kind reads one file"):
+        run_one("prepare", recipe)
 
 
 def test_real_sharegpt_sample_from_a_recipe_file(tmp_path):
@@ -114,7 +150,7 @@ def test_real_sharegpt_sample_from_a_recipe_file(tmp_path):
     recipe_file = tmp_path / "r.yaml"
     recipe_file.write_text(f"output_dir: {tmp_path / 'run'}\ndata:\n  corpora:\n    - kind: sharegpt\n"
                            f"      max_records: 120\n  max_length: 256\n  validation_fraction: 0.1\n")
-    out = run_prepare(load_recipe(str(recipe_file)))
+    out = run_one("prepare", load_recipe(str(recipe_file)))
     stats = json.loads((out / "stats.json").read_text())
     assert stats["corpora"][0]["read"] == 17671 and stats["corpora"][0]["kept"] == 120
     assert stats["corpora"][0]["skipped"]["truncated_record"] == 1
@@ -128,5 +164,5 @@ def test_bad_corpus_fails_before_writing_done(tmp_path):
     path.write_text(json.dumps([{"conversations": [{"from": "human", "text": "q"}]}]))
     recipe = recipe_for(tmp_path, [CorpusConfig(kind="json", path=str(path))])
     with pytest.raises(ValueError, match=r"bad.json: record 0: field 'conversations\[0\]': missing field 'value'"):
-        run_prepare(recipe)
+        run_one("prepare", recipe)
     assert not (recipe.stage_dir("data") / "DONE.json").exists()

@@ -8,12 +8,12 @@ import torch
 from eyas.data import regenerate as regen
 from eyas.data.config import TargetConfig
 from eyas.data.corpora import Record
-from eyas.data.targets import load_tokenizer
+from eyas.data.targets import Target
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return load_tokenizer(TargetConfig())
+    return Target.resolve(TargetConfig()).tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def test_regenerate_resumes_after_a_kill(tiny_model, tokenizer, tmp_path, monkey
     monkeypatch.setattr(regen, "generate_answers", lambda *a: calls.append(len(a[2])) or real(*a))
     out = regen.regenerate(tiny_model, tokenizer, records(7), cache, max_new_tokens=4, batch_size=2)
     assert calls == [2, 1]  # only the 3 records not done before the kill
-    done = regen.read_done(cache)
+    done = regen.read_answers(cache)
     assert sorted(done) == [f"id{i}" for i in range(7)]
     chat = [r for r in out if r.is_chat]
     assert len(chat) == 7 and out[-1].record_id == "code0" and not out[-1].is_chat
@@ -92,12 +92,12 @@ def test_max_records_limits_the_chat_records(tiny_model, tokenizer, tmp_path):
 
 @pytest.mark.parametrize("max_prompt_tokens", [None, "shortest"])
 def test_prepare_with_regeneration_uses_the_targets_answers(tiny_model, tokenizer, tmp_path, max_prompt_tokens):
-    """run_prepare end to end on a tiny random target saved as a local model directory; with
+    """The prepare stage end to end on a tiny random target saved as a local model directory; with
     regenerate_max_prompt_tokens only the prompts that short are answered (and kept)."""
     from datasets import load_from_disk
 
     from eyas.data.config import CorpusConfig, DataConfig
-    from eyas.data.prepare import run_prepare
+    from eyas.stages import run_one
     from eyas.recipe import Recipe
 
     target = tmp_path / "tiny-target"
@@ -111,7 +111,7 @@ def test_prepare_with_regeneration_uses_the_targets_answers(tiny_model, tokenize
     recipe = Recipe(output_dir=str(tmp_path / "run"))
     recipe.target.name_or_path = str(target)
     recipe.data = DataConfig(corpora=[CorpusConfig(kind="json", path=str(tmp_path / "chat.json"))], regenerate=True,
-                             regenerate_max_new_tokens=10, regenerate_batch_size=2, validation_fraction=0.0,
+                             regenerate_max_new_tokens=10, regenerate_batch_size=2, validation_fraction=0.5,
                              min_assistant_tokens=1)
     expected = 5
     if max_prompt_tokens == "shortest":
@@ -119,13 +119,14 @@ def test_prepare_with_regeneration_uses_the_targets_answers(tiny_model, tokenize
             {"role": "user", "content": "Question 0?"}, {"role": "assistant", "content": "a"}])])[0]
         recipe.data.regenerate_max_prompt_tokens = shortest + 2  # "Question 0?" and "Question 1? Really?"
         expected = 2
-    out = run_prepare(recipe)
+    out = run_one("prepare", recipe)
     [log] = out.glob("regenerated-*.jsonl")
-    answers = regen.read_done(log)
+    answers = regen.read_answers(log)
     assert len(answers) == expected
-    train = load_from_disk(str(out))["train"]
-    assert len(train) == expected
-    for ids, mask, rid in zip(train["input_ids"], train["loss_mask"], train["record_id"]):
+    data = load_from_disk(str(out))
+    assert len(data["train"]) + len(data["validation"]) == expected
+    rows = [row for split in data.values() for row in split]
+    for ids, mask, rid in ((r["input_ids"], r["loss_mask"], r["record_id"]) for r in rows):
         text = tokenizer.decode(ids)
         assert "original answer" not in text and "Later turn" not in text
         masked = tokenizer.decode([t for t, m in zip(ids, mask) if m])
@@ -133,14 +134,18 @@ def test_prepare_with_regeneration_uses_the_targets_answers(tiny_model, tokenize
 
 
 def test_regeneration_log_depends_on_the_generation_settings(tmp_path):
+    from eyas.data.config import DataConfig
     from eyas.data.prepare import regeneration_log
-    from eyas.recipe import Recipe
 
-    recipe = Recipe(output_dir=str(tmp_path))
-    first = regeneration_log(recipe, tmp_path)
-    assert regeneration_log(recipe, tmp_path) == first
-    recipe.data.regenerate_max_new_tokens = 32
-    assert regeneration_log(recipe, tmp_path) != first
+    target = Target.resolve(TargetConfig())
+    data = DataConfig()
+    first = regeneration_log(data, target, tmp_path)
+    assert regeneration_log(data, target, tmp_path) == first
+    data.regenerate_max_new_tokens = 32
+    assert regeneration_log(data, target, tmp_path) != first
+    data.regenerate_max_new_tokens = DataConfig().regenerate_max_new_tokens
+    target.cfg.dtype = "bfloat16"  # another target setting: other answers
+    assert regeneration_log(data, target, tmp_path) != first
 
 
 def test_prompts_too_long_for_max_length_are_not_regenerated(tiny_model, tokenizer, tmp_path):

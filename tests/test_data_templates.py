@@ -12,7 +12,7 @@ import pytest
 from eyas.data.config import TargetConfig
 from eyas.data.corpora import Record
 from eyas.data.packages import cache_root, packaged_file
-from eyas.data.targets import load_tokenizer
+from eyas.data.targets import Target
 from eyas.data.templates import TemplateError, render_records, tokenize_head
 
 LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -65,7 +65,7 @@ def _tiktoken_tokenizer(name, dist, member, pattern, specials, template, **speci
 
 @pytest.fixture(scope="module")
 def smollm():
-    return load_tokenizer(TargetConfig())
+    return Target.resolve(TargetConfig()).tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,9 @@ from safetensors.torch import save_file
 
 from eyas.data.config import CorpusConfig, DataConfig, VocabConfig
 from eyas.data.vocab import (VocabError, build_mapping, draft_to_target, load_vocab, masked_token_counts, ranked_ids,
-                             run_vocab, save_vocab, target_to_draft)
+                             save_vocab, target_to_draft)
 from eyas.recipe import Recipe
+from eyas.stages import run_one
 
 
 def test_mapping_is_the_serving_format_and_round_trips(tmp_path):
@@ -63,7 +64,6 @@ def test_counts_only_masked_tokens_and_rank_ties_by_id():
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
     """A small real prepare run (ShareGPT-style file and HumanEval) with the real SmolLM2 tokenizer."""
-    from eyas.data.prepare import run_prepare
 
     root = tmp_path_factory.mktemp("vocabrun")
     items = [{"conversations": [{"from": "human", "value": f"Tell me about topic number {i}."},
@@ -75,7 +75,7 @@ def prepared(tmp_path_factory):
                     data=DataConfig(corpora=[CorpusConfig(kind="json", path=str(root / "chat.json")),
                                              CorpusConfig(kind="humaneval", max_records=40)],
                                     validation_fraction=0.1, max_length=256))
-    run_prepare(recipe)
+    run_one("prepare", recipe)
     return recipe
 
 
@@ -84,7 +84,7 @@ def test_run_vocab_writes_mapping_and_coverage(prepared):
 
     recipe = prepared
     recipe.vocab = VocabConfig(draft_vocab_size=128, sizes=[32, 64, 128], argmax_positions=16, argmax_batch_size=4)
-    out = run_vocab(recipe)
+    out = run_one("vocab", recipe)
     d2t, t2d = load_vocab(out)
     assert d2t.shape == (128,) and t2d.shape == (49152,)  # SmolLM2's config vocab_size
     report = json.loads((out / "coverage.json").read_text())
@@ -103,32 +103,32 @@ def test_run_vocab_writes_mapping_and_coverage(prepared):
     assert "| 128 (chosen) |" in (out / "coverage.md").read_text()
     assert (out / "coverage.png").read_bytes()[:4] == b"\x89PNG"
     done = json.loads((out / "DONE.json").read_text())
-    assert run_vocab(recipe) == out and json.loads((out / "DONE.json").read_text()) == done  # skipped
+    assert run_one("vocab", recipe) == out and json.loads((out / "DONE.json").read_text()) == done  # skipped
 
 
 def test_coverage_target_and_too_few_distinct_tokens(prepared):
     recipe = prepared
     recipe.vocab = VocabConfig(draft_vocab_size=8192, coverage_target=0.5, sizes=[16, 64, 256], argmax_positions=0)
-    report = json.loads((run_vocab(recipe) / "coverage.json").read_text())
+    report = json.loads((run_one("vocab", recipe) / "coverage.json").read_text())
     reached = [r["size"] for r in report["table"] if r["validation"] >= 0.5]
     assert report["draft_vocab_size"] == min(reached)
 
     recipe.vocab = VocabConfig(draft_vocab_size=30000, sizes=[64], argmax_positions=0)
     with pytest.raises(VocabError, match="distinct masked tokens, fewer than the draft vocabulary size 30000"):
-        run_vocab(recipe)
+        run_one("vocab", recipe)
     recipe.vocab = VocabConfig(draft_vocab_size=30000, sizes=[64], argmax_positions=0, shrink_to_distinct=True)
-    report = json.loads((run_vocab(recipe) / "coverage.json").read_text())
+    report = json.loads((run_one("vocab", recipe) / "coverage.json").read_text())
     assert report["draft_vocab_size"] == report["distinct_train_tokens"] < 30000
     assert load_vocab(recipe.stage_dir("vocab"))[0].shape == (report["distinct_train_tokens"],)
 
     recipe.vocab = VocabConfig(coverage_target=0.999999, sizes=[16], argmax_positions=0)
     with pytest.raises(VocabError, match="coverage_target 0.999999 is not reached"):
-        run_vocab(recipe)
+        run_one("vocab", recipe)
 
 
 def test_run_vocab_needs_prepared_data(tmp_path):
     with pytest.raises(FileNotFoundError, match="run `eyas prepare"):
-        run_vocab(Recipe(output_dir=str(tmp_path)))
+        run_one("vocab", Recipe(output_dir=str(tmp_path)))
 
 
 def test_run_vocab_names_a_missing_column(tmp_path):
@@ -140,4 +140,4 @@ def test_run_vocab_names_a_missing_column(tmp_path):
     DatasetDict({"train": split, "validation": split}).save_to_disk(str(data_dir))
     (data_dir / "DONE.json").write_text('{"input_hash": "x"}')
     with pytest.raises(VocabError, match="data/train: missing column 'loss_mask'"):
-        run_vocab(recipe)
+        run_one("vocab", recipe)

@@ -93,6 +93,6 @@ def test_tokenizer_hash_tracks_the_vocabulary(smollm2):
     _, tok = smollm2
     h = T.tokenizer_hash(tok)
     assert h == T.tokenizer_hash(tok)
-    tok2 = T.load_tokenizer(TargetConfig())
+    tok2 = T.Target.resolve(TargetConfig()).tokenizer
     tok2.add_tokens(["<brand-new-token>"])
     assert T.tokenizer_hash(tok2) != h
