@@ -17,7 +17,7 @@ import yaml
 
 from eyas.configbase import ConfigError, _closest, from_dict, to_dict
 from eyas.data.config import CollectConfig, DataConfig, TargetConfig, VocabConfig
-from eyas.eval.config import BenchConfig, GateConfig, PushConfig
+from eyas.eval.config import BenchConfig, GateConfig
 from eyas.heads.config import ExportConfig, HeadConfig
 from eyas.train.config import TrainConfig
 
@@ -27,8 +27,7 @@ class Recipe:
     name: str = "recipe"
     description: str = ""
     # Every stage writes under output_dir: data/, vocab/, features/, head/, bench/, export/.
-    output_dir: str = "runs/recipe"
-    seed: int = 0
+    output_dir: str = field(default="runs/recipe", metadata={"pattern": (r".*\S.*", "a folder path")})
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
     vocab: VocabConfig = field(default_factory=VocabConfig)
@@ -38,9 +37,12 @@ class Recipe:
     bench: BenchConfig = field(default_factory=BenchConfig)
     gate: GateConfig = field(default_factory=GateConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
-    push: PushConfig = field(default_factory=PushConfig)
     # Path of the accelerate config that suits this recipe (documentation for `accelerate launch`).
     accelerate_config: str | None = None
+
+    # Keys that recipes used to carry, refused with the reason (see eyas.configbase.from_dict).
+    removed_keys = {"seed": "nothing read it: each section has its own seed",
+                    "push": "`eyas push` takes its settings as flags: --repo-id, --private"}
 
     # ---- where each stage writes -------------------------------------------------------------
     @property
@@ -80,11 +82,24 @@ def find_recipe(name_or_path: str) -> Path:
     )
 
 
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """One line for a YAML error: what went wrong and where (PyYAML's own message spans several lines)."""
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    mark = getattr(exc, "problem_mark", None)
+    return f"{problem} (line {mark.line + 1}, column {mark.column + 1})" if mark else problem
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     if "=" not in text:
         raise ConfigError(f"override '{text}' is not of the form section.key=value")
     key, raw = text.split("=", 1)
-    return key.strip().split("."), yaml.safe_load(raw) if raw != "" else None
+    keys = key.strip().split(".")
+    if not all(keys):
+        raise ConfigError(f"override '{text}': '{key}' is not a key path such as train.lr")
+    try:
+        return keys, yaml.safe_load(raw) if raw != "" else None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override '{text}': the value is not valid YAML: {_yaml_problem(exc)}") from None
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
@@ -92,7 +107,9 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
         keys, value = parse_override(text)
         node = raw
         for k in keys[:-1]:
-            node = node.setdefault(k, {})
+            if node.get(k) is None:  # absent, or an empty section in the file
+                node[k] = {}
+            node = node[k]
             if not isinstance(node, dict):
                 raise ConfigError(f"override '{text}': '{k}' is not a section")
         node[keys[-1]] = value
@@ -115,7 +132,7 @@ def read_recipe_file(name_or_path: str, seen: tuple[str, ...] = ()) -> dict:
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+        raise ConfigError(f"{path}: not valid YAML: {_yaml_problem(exc)}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: a recipe is a mapping of sections, got {type(raw).__name__}")
     raw.setdefault("name", path.stem)

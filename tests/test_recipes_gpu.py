@@ -11,13 +11,15 @@ import torch
 import yaml
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from eyas.data.targets import aux_layer_ids_for, default_aux_layer_ids, target_features
+from eyas.data.model_config import default_aux_layer_ids
+from eyas.data.targets import aux_layer_ids_for, target_features
 from eyas.eval.config import DecoderConfig
 from eyas.eval.decoder import PlainDecoder, SpeculativeDecoder
 from eyas.heads.eagle3 import Eagle3Config, Eagle3Head
 from eyas.recipe import load_recipe, recipes_dir
-from eyas.train.loss import DenseTeacher, ttt_loss
-from eyas.train.memory import estimate_memory
+from eyas.train.loss import ttt_loss
+from memory_estimate import estimate_memory
+from reference_ttt import DenseTeacher
 from test_data_templates import (LLAMA3_PATTERN, LLAMA3_SPECIALS, LLAMA3_TEMPLATE, QWEN_PATTERN, QWEN_TEMPLATE,
                                  _tiktoken_tokenizer, render_one)
 
