@@ -11,7 +11,7 @@ Layouts: the common one (four hidden states in bf16: three aux + last, 8*H bytes
   aux:      each stored aux feature is put back into the target in place of the fp32 stream entering its layer,
             the rest of the target runs on; top-1 agreement and KL with the fp32 target's full-vocab prediction
             (how much of what the target knows at that depth survives the storage rounding; worst of the 3).
-Bytes/token are measured on disk (`run_collect` on the same samples) and checked against the formula.
+Bytes/token are measured on disk (the collect stage run on the same samples) and checked against the formula.
 """
 
 from __future__ import annotations
@@ -28,13 +28,15 @@ import datasets
 import numpy as np
 import torch
 
-from eyas.data.collect import (FeatureDataset, bytes_per_token, collate, dequantize_fp8, quantize_fp8, run_collect)
+from eyas.data.atomic import atomic_write_text
+from eyas.data.collect import collect
 from eyas.data.config import CollectConfig, CorpusConfig, TargetConfig
 from eyas.data.corpora import CorpusStats, Record, _chat_items, content_hash, corpus_path, normalise_turns
-from eyas.data.targets import aux_layer_ids_for, decoder_layers, load_target, logits_from_final_hidden, target_features
+from eyas.data.features import FeatureDataset, bytes_per_token, collate, dequantize_fp8, quantize_fp8
+from eyas.data.targets import (Target, aux_layer_ids_for, decoder_layers, load_target, logits_from_final_hidden,
+                               target_features)
 from eyas.data.templates import render_records
 from eyas.data.vocab import build_mapping, draft_to_target, ranked_ids, save_vocab
-from eyas.recipe import Recipe
 
 LAYOUTS = [  # name, aux storage, teacher, top-k
     ("common: 4 hidden bf16", "bfloat16", "last_hidden", None),
@@ -136,21 +138,23 @@ def measure_accuracy(model, samples, d2t, t2d, layer_ids, batch_size: int) -> di
 
 
 def measure_bytes(target_cfg: TargetConfig, samples, d2t, t2d, workdir: Path) -> dict:
-    """Bytes per token on disk from real `run_collect` runs of each layout (header and offsets included)."""
+    """Bytes per token on disk from real collect-stage runs of each layout (header and offsets included)."""
     rows = {"input_ids": [s.input_ids for s in samples], "loss_mask": [s.loss_mask for s in samples],
             "source": [s.source for s in samples], "record_id": [s.record_id for s in samples],
             "category": [s.category for s in samples]}
+    target = Target.resolve(target_cfg)
+    ds = datasets.Dataset.from_dict(rows)
+    data_dir, vocab_dir = workdir / "data", workdir / "vocab"
+    datasets.DatasetDict(train=ds, validation=ds.select(range(1))).save_to_disk(str(data_dir))
+    vocab_dir.mkdir(parents=True)
+    save_vocab(vocab_dir / "vocab.safetensors", d2t, t2d)
     out = {}
     for name, feature_dtype, teacher, k in LAYOUTS[1:]:
-        recipe = Recipe(output_dir=str(workdir / name.replace(" ", "_").replace(":", "")), target=target_cfg,
-                        collect=CollectConfig(feature_dtype=feature_dtype, teacher=teacher, topk=k or 64,
-                                              batch_size=8, shard_tokens=1 << 20))
-        ds = datasets.Dataset.from_dict(rows)
-        datasets.DatasetDict(train=ds, validation=ds.select(range(1))).save_to_disk(str(recipe.stage_dir("data")))
-        recipe.stage_dir("vocab").mkdir(parents=True)
-        save_vocab(recipe.stage_dir("vocab") / "vocab.safetensors", d2t, t2d)
+        cfg = CollectConfig(feature_dtype=feature_dtype, teacher=teacher, topk=k or 64, batch_size=8,
+                            shard_tokens=1 << 20)
+        features = workdir / name.replace(" ", "_").replace(":", "")
         start = time.time()
-        features = run_collect(recipe)
+        collect(cfg, target, data_dir, vocab_dir, features)
         index = json.loads((features / "index.json").read_text())["splits"]["train"]
         on_disk = sum((features / s["file"]).stat().st_size for s in index["shards"])
         FeatureDataset(features, "train", verify=True)  # what was written reads back
@@ -268,9 +272,7 @@ def update_section(path: Path, text: str) -> None:
         new = old[:old.index(BEGIN)] + block + old[old.index(END) + len(END):]
     else:
         new = old.rstrip("\n") + "\n\n" + block + "\n"
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(new)
-    tmp.replace(path)
+    atomic_write_text(path, new)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
     python benchmarks/bench_train.py [--out /tmp/eyas-bench-train] [--steps 12] [--records 96]
 
 Runs the real stages once (prepare a ShareGPT slice, build the draft vocab, collect features), then times
-optimizer steps (data loading + teacher + TTT forward/backward + AdamW) of the same pieces run_train uses, in
+optimizer steps (data loading + teacher + TTT forward/backward + AdamW) of the trainer as `setup` builds it, in
 offline mode (features from disk) and online mode (target in the loop). FLOPs are counted exactly on the timed
 batches with torch.utils.flop_counter (matmuls of forward and backward); utilisation is against this machine's
 fp32 and bf16 matmul throughput measured in the same run. Prints a Markdown table and writes bench_train.json.
@@ -40,52 +40,33 @@ def bench_recipe(out: Path, records: int, steps: int, mode: str, batch_size: int
         f"output_dir={out}", "data.max_length=512", f"data.corpora=[{{kind: sharegpt, max_records: {records}}}]",
         "vocab.draft_vocab_size=4096", "vocab.coverage_target=null", f"collect.mode={mode}",
         "collect.batch_size=8", f"train.batch_size={batch_size}", f"train.max_steps={steps}", "train.ttt_steps=7",
+        "train.resume=never",
     ])
 
 
 def prepare_stages(recipe) -> None:
-    from eyas.data.collect import run_collect
-    from eyas.data.prepare import run_prepare
-    from eyas.data.vocab import run_vocab
+    from eyas.stages import run_one
 
-    run_prepare(recipe)
-    run_vocab(recipe)
-    run_collect(recipe)
+    for stage in ("prepare", "vocab", "collect"):
+        run_one(stage, recipe)
 
 
 def time_mode(recipe, steps: int, warmup: int = 1) -> dict:
-    from transformers import AutoConfig
+    from eyas.data.targets import Target
+    from eyas.train.loop import TrainPaths, micro_step, setup
 
-    from eyas.data import collect
-    from eyas.data.targets import resolve_target, text_config
-    from eyas.data.vocab import load_vocab
-    from eyas.train.loop import (Features, Plan, TTTModel, build_training_head, load_target_embedding,
-                                 resolve_mixed_precision)
-
-    cfg = recipe.train
-    target_dir = Path(resolve_target(recipe.target.name_or_path))
-    vocab = load_vocab(recipe.stage_dir("vocab"))
-    features = Features(recipe, vocab, torch.device("cpu"))
-    embed_weight = load_target_embedding(target_dir)
-    head = build_training_head(recipe, text_config(AutoConfig.from_pretrained(target_dir)), vocab)
-    model = TTTModel(head, cfg.ttt_steps, cfg.step_weight_decay)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas))
-    train_set = features.datasets["train"]
-    plan = Plan(len(train_set), cfg.batch_size, 1, 1, 0, cfg.seed)
+    # The trainer's own set-up (accelerator, features, head, optimizer); its head folder is the benchmark's.
+    paths = TrainPaths(data=recipe.stage_dir("data"), vocab=recipe.stage_dir("vocab"),
+                       features=recipe.stage_dir("features"), head=recipe.stage_dir(f"bench-head-{recipe.collect.mode}"))
+    state = setup(recipe.train, recipe.head, recipe.collect, Target.resolve(recipe.target), paths,
+                  run_name="bench_train")
 
     def load(step: int):
-        rows = plan.micro_batches(step)[0]
-        return features(collect.collate([train_set[i] for i in rows]))
-
-    bf16 = resolve_mixed_precision(cfg.mixed_precision) == "bf16"  # what run_train would use here
+        return state.features.batch("train", state.plan.micro_batches(step)[0])
 
     def train_step(batch, teacher) -> None:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            loss, _ = model(batch, teacher, embed_weight)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad()
+        micro_step(state, batch, teacher)
+        state.scheduler.step()
 
     for s in range(warmup):
         train_step(*load(s))
@@ -109,8 +90,8 @@ def time_mode(recipe, steps: int, warmup: int = 1) -> dict:
     return {"tokens": tokens, "seconds": elapsed, "seconds_features": t_load, "tokens_per_s": tokens / elapsed,
             "head_flops_per_token": head_flops / tokens, "feature_flops_per_token": feature_flops / tokens,
             "gflops": (head_flops + feature_flops) / elapsed / 1e9, "head_gflops_in_train_step": head_flops / t_train / 1e9,
-            "draft_vocab_size": int(vocab[0].numel()), "batch_size": cfg.batch_size, "steps": steps,
-            "autocast_bf16": bf16}
+            "draft_vocab_size": state.head_config.draft_vocab_size, "batch_size": recipe.train.batch_size,
+            "steps": steps, "autocast_bf16": state.accelerator.mixed_precision == "bf16"}
 
 
 def main() -> None:

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from eyas.data.collect import FeatureDataset, plan_shards
+from eyas.data.collect import plan_shards
+from eyas.data.features import FeatureDataset
 from eyas.recipe import dump_recipe
 
 from test_collect_store import build_tiny_target, make_recipe
@@ -17,9 +18,9 @@ from test_collect_store import build_tiny_target, make_recipe
 SCRIPT = """
 import sys, torch
 from eyas.recipe import load_recipe
-from eyas.data.collect import run_collect
+from eyas.stages import run_one
 torch.set_num_threads(1)
-run_collect(load_recipe(sys.argv[1]))
+run_one("collect", load_recipe(sys.argv[1]))
 """
 
 

@@ -6,13 +6,13 @@ import datasets
 import pytest
 import torch
 
-from eyas.data.collect import FeatureDataset, OnlineFeatures, Teacher, collate, run_collect
 from eyas.data.config import CollectConfig, TargetConfig
+from eyas.data.features import FeatureDataset, OnlineFeatures, Teacher, collate
 from eyas.data.targets import load_target
 from eyas.data.vocab import load_vocab
 from eyas.recipe import Recipe
 
-from test_collect_store import build_tiny_target, make_recipe, write_vocab
+from test_collect_store import build_tiny_target, make_recipe, run_collect, write_prepared, write_vocab
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,7 @@ def test_real_target_online_equals_offline_and_teacher_matches_lm_head(tmp_path)
         rows.update({k: rows[k] + [v] for k, v in (("source", "test"), ("record_id", f"chat{i}"), ("category", "chat"))})
     recipe = Recipe(output_dir=str(tmp_path), target=target_cfg, collect=CollectConfig(batch_size=2))
     ds = datasets.Dataset.from_dict(rows)
-    datasets.DatasetDict(train=ds, validation=ds.select([0])).save_to_disk(str(recipe.stage_dir("data")))
+    write_prepared(recipe.stage_dir("data"), datasets.DatasetDict(train=ds, validation=ds.select([0])))
     used = sorted({t for ids in rows["input_ids"] for t in ids})
     # Draft vocab: the tokens of the data plus the first 2000 ids (sorted, as the vocab stage does).
     write_vocab(recipe.stage_dir("vocab"), torch.tensor(sorted(set(used) | set(range(2000)))),

@@ -12,12 +12,14 @@ import torch
 from safetensors.torch import save_file
 
 from eyas.data import collect
-from eyas.data.collect import (FeatureDataset, FeatureStoreError, Teacher, collate, dequantize_fp8, quantize_fp8,
-                               run_collect)
 from eyas.data.config import CollectConfig, TargetConfig
+from eyas.data.features import (FeatureDataset, FeatureStoreError, OnlineFeatures, Teacher, bytes_per_token, collate,
+                                dequantize_fp8, quantize_fp8)
 from eyas.data.targets import load_target, target_features
 from eyas.data.vocab import VocabError, build_mapping, load_vocab, save_vocab
 from eyas.recipe import Recipe
+from eyas.stages import run_one
+from stage_outputs import mark_done
 
 VOCAB = 384
 
@@ -50,9 +52,23 @@ def token_rows(n: int, seed: int, min_len: int = 4, max_len: int = 40) -> datase
     return datasets.Dataset.from_dict(rows)
 
 
+def write_prepared(folder: Path, splits: datasets.DatasetDict) -> None:
+    """A prepared dataset as the prepare stage leaves it (DONE included)."""
+    shutil.rmtree(folder, ignore_errors=True)
+    splits.save_to_disk(str(folder))
+    mark_done(folder)
+
+
 def write_vocab(folder: Path, target_ids: torch.Tensor, vocab_size: int = VOCAB) -> None:
+    """A draft vocab as the vocab stage leaves it (DONE included)."""
     folder.mkdir(parents=True, exist_ok=True)
     save_vocab(folder / "vocab.safetensors", *build_mapping(target_ids, vocab_size))
+    mark_done(folder)
+
+
+def run_collect(recipe: Recipe) -> Path:
+    """The collect stage as `eyas collect` runs it (skipped when DONE.json matches); returns features/."""
+    return run_one("collect", recipe)
 
 
 def make_recipe(root: Path, target_dir: Path, n_train: int = 14, n_val: int = 5, **collect_kw) -> Recipe:
@@ -60,8 +76,8 @@ def make_recipe(root: Path, target_dir: Path, n_train: int = 14, n_val: int = 5,
     kw = {"batch_size": 4, "shard_tokens": 80, **collect_kw}
     recipe = Recipe(output_dir=str(root), target=TargetConfig(name_or_path=str(target_dir)),
                     collect=CollectConfig(**kw))
-    datasets.DatasetDict(train=token_rows(n_train, 1), validation=token_rows(n_val, 2)).save_to_disk(
-        str(recipe.stage_dir("data")))
+    write_prepared(recipe.stage_dir("data"), datasets.DatasetDict(train=token_rows(n_train, 1),
+                                                                   validation=token_rows(n_val, 2)))
     write_vocab(recipe.stage_dir("vocab"), torch.arange(0, VOCAB, 3))
     return recipe
 
@@ -234,7 +250,7 @@ def test_refuses_when_the_disk_cannot_hold_the_store(tmp_path, tiny_target, monk
     with pytest.raises(FeatureStoreError, match="not enough disk.*only 0.00 GiB free"):
         run_collect(recipe)
     printed = capsys.readouterr().out
-    per_token = collect.bytes_per_token(32, recipe.collect, VOCAB // 3)
+    per_token = bytes_per_token(32, recipe.collect, VOCAB // 3)
     assert f"{per_token} bytes/token" in printed
     assert per_token == 6 + 3 * 32 * 2 + 32 * 2
     assert shard_files(recipe.stage_dir("features")) == []
@@ -244,22 +260,21 @@ def test_bad_records_and_vocab_are_named(tmp_path, tiny_target):
     recipe = make_recipe(tmp_path, tiny_target, n_train=4, n_val=2)
     rows = token_rows(4, 1).to_dict()
     rows["loss_mask"][2] = rows["loss_mask"][2][:-1]
-    shutil.rmtree(recipe.stage_dir("data"))
-    datasets.DatasetDict(train=datasets.Dataset.from_dict(rows), validation=token_rows(2, 2)).save_to_disk(
-        str(recipe.stage_dir("data")))
+    write_prepared(recipe.stage_dir("data"),
+                   datasets.DatasetDict(train=datasets.Dataset.from_dict(rows), validation=token_rows(2, 2)))
     with pytest.raises(FeatureStoreError, match=r"data \(train split\): record s1-2 \(row 2\): field 'loss_mask'"):
         run_collect(recipe)
     rows = token_rows(4, 1).to_dict()
     rows["input_ids"][1][0] = VOCAB + 5
-    shutil.rmtree(recipe.stage_dir("data"))
-    datasets.DatasetDict(train=datasets.Dataset.from_dict(rows), validation=token_rows(2, 2)).save_to_disk(
-        str(recipe.stage_dir("data")))
+    write_prepared(recipe.stage_dir("data"),
+                   datasets.DatasetDict(train=datasets.Dataset.from_dict(rows), validation=token_rows(2, 2)))
     with pytest.raises(FeatureStoreError, match=f"record s1-1 \\(row 1\\): field 'input_ids' holds id {VOCAB + 5}"):
         run_collect(recipe)
     write_vocab(recipe.stage_dir("vocab"), torch.arange(0, 100, 3), vocab_size=100)
     with pytest.raises(FeatureStoreError, match="100 target tokens, the target's lm_head has 384"):
-        collect.OnlineFeatures(load_target(recipe.target)[0], load_vocab(recipe.stage_dir("vocab")), recipe.collect)
+        OnlineFeatures(load_target(recipe.target)[0], load_vocab(recipe.stage_dir("vocab")), recipe.collect)
     bad = recipe.stage_dir("vocab") / "vocab.safetensors"
     save_file({"d2t": torch.zeros(3, dtype=torch.long), "t2d": torch.zeros(10, dtype=torch.bool)}, str(bad))
+    mark_done(recipe.stage_dir("vocab"))
     with pytest.raises(VocabError, match=f"{bad}: t2d marks 0 target ids but d2t has 3"):
         run_collect(recipe)

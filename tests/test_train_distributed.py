@@ -16,7 +16,7 @@ import torch
 from eyas.configbase import from_dict
 from eyas.heads.checkpoint import load_head
 from eyas.recipe import Recipe
-from eyas.train.loop import run_train
+from eyas.stages import run_one
 from test_train_fixtures import fresh_run, read_metrics, reset_accelerate, shared_pipeline, write_recipe
 
 ACCELERATE_CONFIGS = Path(__file__).resolve().parents[1] / "recipes" / "accelerate"
@@ -31,7 +31,7 @@ def single(tmp_path_factory):
     pipeline = shared_pipeline(tmp_path_factory)
     recipe = fresh_run(pipeline, tmp_path_factory.mktemp("single"), grad_accum=2, **SETTINGS)
     reset_accelerate()
-    run_train(from_dict(Recipe, recipe))
+    run_one("train", from_dict(Recipe, recipe))
     return pipeline, Path(recipe["output_dir"]) / "head"
 
 
@@ -45,7 +45,7 @@ def launch_two(pipeline, tmp_path, launcher_args: list[str], env_extra: dict) ->
     recipe = fresh_run(pipeline, tmp_path, grad_accum=1, **SETTINGS)
     recipe_file = write_recipe(tmp_path / "recipe.yaml", recipe)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *launcher_args, "--main_process_port", str(free_port()),
-           "-m", "eyas.train", str(recipe_file)]
+           "-m", "eyas", "train", str(recipe_file)]
     env = dict(os.environ, **env_extra)
     out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, timeout=400)
     assert out.returncode == 0, out.stdout[-4000:]
@@ -80,14 +80,13 @@ def check_split_and_match(head_dir: Path, single_dir: Path) -> None:
 
 
 def initial_head(head_dir: Path):
-    from transformers import AutoConfig
-
+    from eyas.data.targets import Target
     from eyas.data.vocab import load_vocab
     from eyas.train.loop import build_training_head
 
     recipe = from_dict(Recipe, json.loads(json.dumps(_recipe_of(head_dir))))
-    return build_training_head(recipe, AutoConfig.from_pretrained(recipe.target.name_or_path),
-                               load_vocab(recipe.stage_dir("vocab")))
+    return build_training_head(recipe.head, Target.resolve(recipe.target), load_vocab(recipe.stage_dir("vocab")),
+                               recipe.train.seed)
 
 
 def _recipe_of(head_dir: Path) -> dict:

@@ -7,7 +7,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from eyas.data.targets import logits_from_final_hidden, target_features
 from eyas.heads.eagle3 import Eagle3Config, build_head
-from eyas.train.loss import DenseTeacher
+from reference_ttt import DenseTeacher
 
 AUX_IDS = [1, 2, 3]
 
@@ -78,8 +78,9 @@ def write_tiny_pipeline(root, n_train: int = 24, n_val: int = 8, draft_vocab: in
     from pathlib import Path
     from transformers import AutoTokenizer
 
-    from eyas.data.vocab import build_mapping, save_vocab
     from eyas.data.targets import resolve_target
+    from eyas.data.vocab import build_mapping, save_vocab
+    from stage_outputs import mark_done
 
     root = Path(root)
     tokenizer = AutoTokenizer.from_pretrained(resolve_target(REAL_TARGET))
@@ -103,11 +104,13 @@ def write_tiny_pipeline(root, n_train: int = 24, n_val: int = 8, draft_vocab: in
                                "validation": datasets.Dataset.from_list(rows[n_train:])})
     out = root / "run"
     dd.save_to_disk(str(out / "data"))
+    mark_done(out / "data")
 
     counts = torch.bincount(torch.tensor([t for r in rows[:n_train] for t in r["input_ids"]]), minlength=len(tokenizer))
     keep = counts.argsort(descending=True)[:draft_vocab].sort().values
     (out / "vocab").mkdir(parents=True)
     save_vocab(out / "vocab" / "vocab.safetensors", *build_mapping(keep, len(tokenizer)))
+    mark_done(out / "vocab")
     return {
         "name": "tiny", "output_dir": str(out),
         "target": {"name_or_path": str(root / "target"), "aux_layer_ids": [0, 1, 2]},
@@ -130,8 +133,8 @@ def shared_pipeline(tmp_path_factory) -> dict:
     """The tiny pipeline with its features collected, built once per test session (all train tests reuse it)."""
     import filelock  # ships with huggingface_hub
 
-    from eyas.data.collect import run_collect
-    from eyas.recipe import from_dict, Recipe
+    from eyas.recipe import Recipe, from_dict
+    from eyas.stages import run_one
 
     root = tmp_path_factory.getbasetemp() / "train-pipeline"
     root.mkdir(exist_ok=True)
@@ -140,7 +143,7 @@ def shared_pipeline(tmp_path_factory) -> dict:
         if not recipe_file.exists():
             recipe = write_tiny_pipeline(root)
             reset_accelerate()
-            run_collect(from_dict(Recipe, recipe))
+            run_one("collect", from_dict(Recipe, recipe))
             write_recipe(recipe_file, recipe)
     import yaml
 

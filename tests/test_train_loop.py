@@ -14,12 +14,14 @@ import pytest
 import torch
 
 from eyas.configbase import from_dict
-from eyas.data import collect
-from eyas.data.targets import load_tokenizer, target_hash
+from eyas.data.stage import read_done
+from eyas.data.targets import Target, target_hash
 from eyas.data.vocab import load_vocab
 from eyas.heads.checkpoint import load_head
 from eyas.recipe import Recipe
-from eyas.train.loop import Features, TrainingError, build_training_head, inputs_hash, lr_factor, run_train
+from eyas.stages import run_one
+from eyas.train.data import Features, TrainingError, TrainPaths
+from eyas.train.loop import build_training_head, lr_factor
 from eyas.train.loss import ttt_loss
 from test_train_fixtures import fresh_run, read_metrics, reset_accelerate, shared_pipeline, write_recipe
 
@@ -30,8 +32,9 @@ def pipeline(tmp_path_factory):
 
 
 def train_in_process(recipe: dict) -> Path:
+    """`eyas train` in this process (skipped when head/DONE.json matches); returns head/best."""
     reset_accelerate()
-    return run_train(from_dict(Recipe, recipe))
+    return run_one("train", from_dict(Recipe, recipe)) / "best"
 
 
 def test_offline_training_writes_heads_metrics_plot_and_done(pipeline, tmp_path):
@@ -39,7 +42,7 @@ def test_offline_training_writes_heads_metrics_plot_and_done(pipeline, tmp_path)
     best = train_in_process(recipe)
     head_dir = best.parent
     r = from_dict(Recipe, recipe)
-    tokenizer = load_tokenizer(r.target)
+    tokenizer = Target.resolve(r.target).tokenizer
     head, meta = load_head(best, tokenizer=tokenizer, target_vocab_size=len(tokenizer))
     assert meta["target_hash"] == target_hash(recipe["target"]["name_or_path"])
     assert head.config.aux_layer_ids == [0, 1, 2]
@@ -55,26 +58,26 @@ def test_offline_training_writes_heads_metrics_plot_and_done(pipeline, tmp_path)
     assert len(val[0]["step_acc"]) == 3 and val[0]["tau_positions"] > 0
     assert (head_dir / "training.png").read_bytes()[:4] == b"\x89PNG"
     assert list(head_dir.rglob("events.out.tfevents*"))  # the tensorboard tracker logged
-    done = json.loads((head_dir / "DONE.json").read_text())
-    assert done["input_hash"] == inputs_hash(r) and done["steps"] == 6
+    done = read_done(head_dir)
+    assert done["stage"] == "train" and done["steps"] == 6 and done["best_tau_sim"] == max(v["tau_sim"] for v in val)
     assert json.loads((head_dir / "state" / "progress.json").read_text())["step"] == 6
+    # Up to date: a second `eyas train` skips, leaving DONE (and its time stamp) as it was.
+    train_in_process(recipe)
+    assert read_done(head_dir) == done
 
 
 def test_online_and_offline_give_the_same_loss_on_the_same_batch(pipeline, tmp_path):
     offline = from_dict(Recipe, pipeline)
     online = from_dict(Recipe, dict(pipeline, collect=dict(pipeline["collect"], mode="online")))
+    target = Target.resolve(offline.target)
     vocab = load_vocab(offline.stage_dir("vocab"))
-    from transformers import AutoConfig
-
-    head = build_training_head(offline, AutoConfig.from_pretrained(offline.target.name_or_path), vocab)
+    head = build_training_head(offline.head, target, vocab, offline.train.seed)
+    weight = target.input_embedding()
+    paths = TrainPaths(data=offline.stage_dir("data"), vocab=offline.stage_dir("vocab"),
+                       features=offline.stage_dir("features"), head=tmp_path / "head")
     losses = []
     for recipe in (offline, online):
-        features = Features(recipe, vocab, torch.device("cpu"))
-        data = features.datasets["train"]
-        batch, teacher = features(collect.collate([data[i] for i in (3, 11, 17)]))
-        from eyas.train.loop import load_target_embedding
-
-        weight = load_target_embedding(Path(recipe.target.name_or_path))
+        batch, teacher = Features(recipe.collect, target, paths, vocab, torch.device("cpu")).batch("train", [3, 11, 17])
         out = ttt_loss(head, weight, dict(batch, aux=batch["aux"].float()), teacher, ttt_steps=3)
         losses.append(out)
     assert losses[0].step_count.tolist() == losses[1].step_count.tolist() and losses[0].step_count[0] > 20
@@ -136,7 +139,7 @@ def test_kill_9_then_resume_gives_the_same_loss_curve(pipeline, tmp_path):
     killed = fresh_run(pipeline, tmp_path / "killed", **steps)
     recipe_file = write_recipe(tmp_path / "killed.yaml", killed)
     head_dir = Path(killed["output_dir"]) / "head"
-    cmd = [sys.executable, "-m", "eyas.train", str(recipe_file)]
+    cmd = [sys.executable, "-m", "eyas", "train", str(recipe_file)]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     progress = head_dir / "state" / "progress.json"

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eyas.data.collect import Teacher
-from eyas.train.loss import BatchTeacher, DenseTeacher, step_valid, summarise, ttt_loss, ttt_loss_reference
+from eyas.data.features import Teacher
+from eyas.train.loss import BatchTeacher, step_valid, summarise, ttt_loss
+from reference_ttt import DenseTeacher, ttt_loss_reference
 from test_train_fixtures import draft_vocab_from, tiny_batch, tiny_head, tiny_ids, tiny_target
 
 

@@ -1,6 +1,9 @@
 """Training-time test (TTT): the EAGLE-3 loss over several drafting steps.
 
-Shift, exactly (see shared/reference/eagle3-serving-format.md): at TTT step k, position t reads
+The shift is the one SGLang and vLLM draft with: position t holds the target's features of token t and
+the embedding of token t+1, and predicts token t+2, trained towards the target's own next-token
+distribution at t+1. The loss mask shifts with the prediction: a position counts when the token it
+predicts is loss-masked (reading the mask one position early is a known bug). At TTT step k, position t reads
   hidden  fc(aux_t) at step 0, else the head's own output hidden at position t from step k-1,
   embed   token t+k+1,   RoPE position t+k,
 and predicts token t+k+2, whose target distribution is the teacher at position t+k+1. It counts iff
@@ -8,8 +11,8 @@ t+k+2 < T, attention_mask[t+k+2], loss_mask[t+k+2] == 1 and target_in_draft[t+k+
 Attention at step k: the query at t sees step-0 keys at positions <= t plus the key at position t of
 every step 1..k (as in the EAGLE-3 paper and SpecForge).
 
-`ttt_loss` is the fast version (one batched score matrix per step plus per-step diagonal scores);
-`ttt_loss_reference` builds every query's key set by hand and exists to check it.
+`ttt_loss` computes this with one batched score matrix per step plus per-step diagonal scores; the tests
+check it against a by-hand reference that builds every query's key set one position at a time.
 """
 
 from __future__ import annotations
@@ -26,20 +29,10 @@ MASKED = torch.finfo(torch.float32).min
 TEACHER_FIELDS = ("teacher_hidden", "teacher_topk_ids", "teacher_topk_logits")
 
 
-class DenseTeacher:
-    """Teacher logits over the draft vocab given directly as [B,T,Vd] (tests, and anything precomputed)."""
-
-    def __init__(self, logits: torch.Tensor):
-        self.logits = logits
-
-    def logits_at(self, b: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return self.logits[b, t].float()
-
-
 class BatchTeacher:
     """The teacher of a collected batch (teacher_hidden or top-k fields), evaluated only where the loss needs it.
 
-    `teacher` is eyas.data.collect.Teacher: its draft_logits turns a batch's teacher fields into [B,T,Vd].
+    `teacher` is eyas.data.features.Teacher: its draft_logits turns a batch's teacher fields into [B,T,Vd].
     """
 
     def __init__(self, teacher, batch: dict):
@@ -199,70 +192,3 @@ def acceptance(hits: torch.Tensor, valids: torch.Tensor) -> tuple[torch.Tensor, 
     full = valids.all(0)
     leading = hits.long().cumprod(0).sum(0)
     return (leading * full).sum(), full.sum()
-
-
-def ttt_loss_reference(head: Eagle3Head, embed_weight: torch.Tensor, batch: dict, teacher,
-                       ttt_steps: int = 7, step_weight_decay: float = 0.8, target_shift: int = 2) -> TTTResult:
-    """Slow, obviously-correct TTT: one sequence, one step, one position at a time, key sets built by hand.
-
-    `target_shift` is the distance from the position to the token it predicts at step 0 (2 is right; tests
-    pass 1 to show that the known bug, an unshifted loss mask, is caught).
-    """
-    ids, loss_mask = batch["input_ids"], batch["loss_mask"]
-    attn, in_draft = batch["attention_mask"].bool(), batch["target_in_draft"].bool()
-    bsz, seq = ids.shape
-    scale = head.config.head_dim ** -0.5
-    loss_terms = [[] for _ in range(ttt_steps)]
-    correct = [0] * ttt_steps
-    count = [0] * ttt_steps
-    accepted = positions = 0
-    for b in range(bsz):
-        hidden = [head.fuse(batch["aux"][b, t][None, None]) for t in range(seq)]  # each [1,1,H]
-        keys = {}  # (step, position) -> (k [1,nh,1,hd], v)
-        hit = {}  # (step, position) -> draft argmax == target argmax
-        for k in range(ttt_steps):
-            queries = {}
-            for t in range(seq):
-                token = ids[b, t + k + 1] if t + k + 1 < seq else torch.zeros((), dtype=ids.dtype)
-                pos = torch.tensor([[t + k]], device=ids.device)
-                q, kk, vv, residual = head.qkv(hidden[t], embed(embed_weight, token.view(1, 1)), pos)
-                queries[t] = (q, residual)
-                keys[(k, t)] = (head.repeat_kv(kk), head.repeat_kv(vv))
-            new_hidden = []
-            for t in range(seq):
-                q, residual = queries[t]
-                key_set = [keys[(0, s)] for s in range(t + 1) if attn[b, s]]
-                key_set += [keys[(j, t)] for j in range(1, k + 1)]
-                scores = torch.stack([(q.float() * kv[0].float()).sum(-1) * scale for kv in key_set], dim=-1)
-                weights = scores.softmax(-1)  # [1,nh,1,n_keys]
-                out = sum(weights[..., i, None] * kv[1].float() for i, kv in enumerate(key_set)).to(q.dtype)
-                h = head.finish(out, residual)
-                new_hidden.append(h)
-                target = t + k + target_shift
-                if not (target < seq and attn[b, target] and loss_mask[b, target] == 1 and in_draft[b, target - 1]):
-                    continue
-                draft_logits = head.logits(h)[0, 0]
-                teacher_logits = teacher.logits_at(torch.tensor([b]), torch.tensor([target - 1]))
-                ce = soft_cross_entropy(draft_logits[None], teacher_logits.softmax(-1))[0]
-                loss_terms[k].append(ce)
-                count[k] += 1
-                hit[(k, t)] = bool(draft_logits.argmax() == teacher_logits[0].argmax())
-                correct[k] += hit[(k, t)]
-            hidden = new_hidden
-        for t in range(seq):
-            if all((k, t) in hit for k in range(ttt_steps)):
-                positions += 1
-                for k in range(ttt_steps):
-                    if not hit[(k, t)]:
-                        break
-                    accepted += 1
-    step_losses = torch.stack([torch.stack(terms).mean() if terms else torch.zeros(()) for terms in loss_terms])
-    weights = torch.tensor([step_weight_decay ** k for k in range(ttt_steps)])
-    return TTTResult(
-        loss=(weights * step_losses).sum(),
-        step_losses=step_losses.detach().float(),
-        step_correct=torch.tensor(correct),
-        step_count=torch.tensor(count),
-        accepted=torch.tensor(accepted),
-        positions=torch.tensor(positions),
-    )

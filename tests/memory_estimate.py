@@ -1,4 +1,4 @@
-"""Per-GPU memory estimate of a training run, for sizing recipes before renting machines.
+"""Per-GPU memory estimate of a training run, for sizing recipes before renting machines (tests/test_recipes_gpu.py).
 
 Mixed-precision Adam keeps, per trainable parameter: bf16 weights (2 B), bf16 gradients (2 B) and fp32
 master weights + two moments (12 B). ZeRO-2 shards gradients and optimizer states over the data-parallel
