@@ -22,7 +22,8 @@ import torch
 from eyas.data.config import TargetConfig
 from eyas.data.targets import aux_layer_ids_for, load_target
 from eyas.eval.config import DecoderConfig
-from eyas.eval.decoder import PlainDecoder, SpeculativeDecoder, autotune
+from eyas.eval.autotune import autotune
+from eyas.eval.decoder import PlainDecoder, SpeculativeDecoder
 from eyas.heads.checkpoint import load_head, save_head
 from eyas.heads.eagle3 import Eagle3Config, build_head
 

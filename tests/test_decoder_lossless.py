@@ -12,9 +12,11 @@ import torch.nn.functional as F
 
 from conftest import tiny_target
 from eyas.data.config import TargetConfig
-from eyas.data.targets import aux_layer_ids_for, load_tokenizer, target_features
+from eyas.data.targets import Target, aux_layer_ids_for, target_features
 from eyas.eval.config import DecoderConfig
-from eyas.eval.decoder import PlainDecoder, SpeculativeDecoder, TargetRunner, autotune
+from eyas.eval.autotune import autotune
+from eyas.eval.decoder import PlainDecoder, SpeculativeDecoder
+from eyas.eval.target_runner import TargetRunner
 from eyas.heads.eagle3 import Eagle3Config, build_head, embed
 
 VOCAB = 256
@@ -23,7 +25,7 @@ AUX = [1, 3, 4]
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    return load_tokenizer(TargetConfig())
+    return Target.resolve(TargetConfig()).tokenizer
 
 
 def new_head(model, draft_ids: torch.Tensor | None = None, seed: int = 0, aux_layer_ids=AUX):
@@ -109,15 +111,21 @@ def test_head_cache_holds_target_features_of_accepted_tokens(fitted, tokenizer):
     _, model, head, prompts = fitted
     spec = SpeculativeDecoder(model, head, tokenizer, DecoderConfig(mode="tree", depth=4, topk=3, budget=10,
                                                                   max_new_tokens=24))
-    got = spec.generate(prompts[0])
+    attributes = {name: id(value) for name, value in vars(spec).items()}
+    call = spec.decode(prompts[0])
+    got = call.stats
     assert got.accepted_tokens > 0
     seq = torch.cat([prompts[0][0], torch.tensor(got.tokens)])[None]
-    n = spec.head_k.shape[2]
+    n = call.head_k.shape[2]
     aux, _ = target_features(model, seq[:, :n], AUX)
     _, k, v, _ = head.qkv(head.fuse(aux), embed(model.get_input_embeddings().weight, seq[:, 1:n + 1]),
                           torch.arange(n)[None])
-    torch.testing.assert_close(spec.head_k, k, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(spec.head_v, v, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(call.head_k, k, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(call.head_v, v, atol=1e-4, rtol=1e-4)
+    # The call's caches live in its own state: the decoder object is left exactly as it was.
+    assert {name: id(value) for name, value in vars(spec).items()} == attributes
+    assert call.seq[:seq.shape[1]].tolist() == seq[0].tolist()
+    assert call.target.length == call.seq.shape[0] - 1  # every token but the newest went through the target
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])

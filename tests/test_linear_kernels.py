@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import tiny_target
-from eyas.data.linear_kernels import (ROW_COUNTS, SmallBatchLinear, install_linear_kernels, remove_linear_kernels,
+from eyas.eval.linear_kernels import (ROW_COUNTS, SmallBatchLinear, install_linear_kernels, remove_linear_kernels,
                                       tune_linear_kernels)
 from eyas.eval.config import DecoderConfig
 from eyas.eval.decoder import PlainDecoder, SpeculativeDecoder
@@ -78,3 +78,51 @@ def test_greedy_decoding_stays_lossless_with_the_mm_layout(tokenizer):
         assert got.tokens == want.tokens
         accepted += got.accepted_tokens
     assert accepted > 0
+
+
+def fake_timer(curves, spikes=None):
+    """A timing function: curves[use_mm](rows) seconds, except that spikes[(rows, use_mm)] yields its values first
+    (a burst of load from another process), then the curve again."""
+    pending = {k: list(v) for k, v in (spikes or {}).items()}
+    calls = []
+
+    def time_layout(layers, rows, use_mm):
+        calls.append((rows, use_mm))
+        queue = pending.get((rows, use_mm))
+        return queue.pop(0) if queue else curves[use_mm](rows)
+    return time_layout, calls
+
+
+ROWS = (1, 2, 4, 8, 12, 16)
+LINEAR = lambda r: 0.010 + 0.001 * r  # noqa: E731
+MM = lambda r: 0.0115 if r == 1 else 0.005 + 0.001 * r  # noqa: E731
+
+
+def test_a_burst_of_load_during_layout_timing_is_measured_again(monkeypatch):
+    import eyas.eval.linear_kernels as lk
+
+    # The whole first round at 12 rows, mm layout, was hit: 100 ms, more than 16 rows take.
+    timer, calls = fake_timer({False: LINEAR, True: MM}, spikes={(12, True): [0.1, 0.1, 0.1]})
+    monkeypatch.setattr(lk, "_time_layout", timer)
+    table = tune_linear_kernels(nn.Linear(4, 4), row_counts=ROWS, repeats=3)
+    row = {t["rows"]: t for t in table}
+    assert row[12]["layout"] == "mm" and row[12]["remeasured"] is True and row[12]["consistent"] is True
+    assert row[12]["mm_ms"] == pytest.approx(17.0)
+    assert row[1]["layout"] == "linear" and all(row[r]["layout"] == "mm" for r in (2, 4, 8, 16))
+    assert calls.count((12, True)) > 3 and calls.count((4, True)) == 3  # only the odd point was re-timed
+
+
+def test_timings_that_stay_inconsistent_keep_the_stock_layout_and_warn(monkeypatch):
+    import eyas.eval.linear_kernels as lk
+
+    # At 12 rows F.linear always takes 60 ms (over twice what 16 rows take): whichever layout "wins" there is noise.
+    linear = lambda r: 0.06 if r == 12 else LINEAR(r)  # noqa: E731
+    timer, _ = fake_timer({False: linear, True: MM})
+    monkeypatch.setattr(lk, "_time_layout", timer)
+    layer = nn.Linear(4, 4)
+    with pytest.warns(UserWarning, match="12 rows.*inconsistent"):
+        table = tune_linear_kernels(layer, row_counts=ROWS, repeats=3)
+    row = {t["rows"]: t for t in table}
+    assert row[12]["layout"] == "linear" and row[12]["consistent"] is False
+    assert 12 not in layer.mm_rows and 8 in layer.mm_rows and 16 in layer.mm_rows
+    assert 13 not in layer.mm_rows  # the rows between 12 and 16 follow 12
