@@ -6,6 +6,9 @@ says exactness is expected (fp32 greedy), lossless output. Figures are pooled ov
 over categories with traffic weights (every weighted category must be in the report), or checked in every
 category (`gate.per_category`). The verdict goes to gate.json beside the report, tied to the head's content
 hash and to the report's own hash, so a later edit of either voids it.
+
+Thresholds come as a GateConfig: the CLI lays its flags over the recipe's gate section (weights given as
+a string go through `parse_weights`).
 """
 
 from __future__ import annotations
@@ -16,15 +19,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from eyas.data.atomic import atomic_write_json
 from eyas.data.packages import sha256_file
 from eyas.eval.config import GateConfig
-from eyas.eval.report import write_json_atomic
+from eyas.eval.report import ReportError, load_report
 
 GATE_FILE = "gate.json"
 
 
 class GateError(ValueError):
-    """A report or a weights string the gate cannot judge."""
+    """Traffic weights the gate cannot use (not category=weight, negative, summing to 0)."""
 
 
 @dataclass
@@ -61,24 +65,6 @@ def parse_weights(weights: str | dict | None) -> dict[str, float]:
     if out and sum(out.values()) <= 0:
         raise GateError(f"weights: {out} sum to 0")
     return out
-
-
-def resolve_thresholds(recipe=None, min_alpha=None, min_speedup=None, max_itl_p99_regression=None,
-                       weights=None) -> GateConfig:
-    """The recipe's gate section (a Recipe, a recipe name/path, or a GateConfig) with the flags given on top."""
-    if recipe is None:
-        base = GateConfig()
-    elif isinstance(recipe, GateConfig):
-        base = recipe
-    elif hasattr(recipe, "gate"):
-        base = recipe.gate
-    else:
-        from eyas.recipe import load_recipe  # the recipe schema lives on top; only a path needs it
-
-        base = load_recipe(str(recipe)).gate
-    flags = {"min_alpha": min_alpha, "min_speedup": min_speedup, "max_itl_p99_regression": max_itl_p99_regression}
-    gate = dataclasses.replace(base, **{k: v for k, v in flags.items() if v is not None})
-    return dataclasses.replace(gate, weights=parse_weights(weights if weights is not None else gate.weights))
 
 
 def blend(report: dict, weights: dict[str, float]) -> dict:
@@ -124,9 +110,7 @@ def threshold_checks(figures: dict, scope: str, gate: GateConfig) -> list[Check]
 
 
 def evaluate(report: dict, gate: GateConfig) -> list[Check]:
-    for key in ("alpha", "speedup", "by_category", "head"):
-        if key not in report:
-            raise GateError(f"report has no '{key}' field; is it a report.json written by `eyas bench`?")
+    """The checks of a report (as load_report returns it) against `gate`, whose weights are parsed."""
     checks: list[Check] = []
     if gate.weights:
         for category in sorted(gate.weights):
@@ -163,37 +147,19 @@ def format_checks(checks: list[Check], report_path: Path, head_hash: str) -> str
     return "\n".join(lines)
 
 
-def load_report(report_path: str | Path) -> dict:
-    path = Path(report_path)
-    if not path.is_file():
-        raise FileNotFoundError(f"bench report {path} does not exist (run `eyas bench <recipe>` first)")
-    try:
-        report = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise GateError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
-    if not isinstance(report, dict):
-        raise GateError(f"{path}: expected a JSON object")
-    return report
-
-
-def run_gate(report_path, recipe=None, min_alpha=None, min_speedup=None, max_itl_p99_regression=None,
-             weights=None) -> int:
-    """Print a table of checks, write gate.json next to the report, and return 1 if any check failed.
-
-    `recipe` is a recipe name/path or a loaded Recipe (as `eyas run` passes it).
-    """
+def run_gate(report_path: str | Path, gate: GateConfig) -> int:
+    """Print a table of checks, write gate.json next to the report, and return 1 if any check failed."""
     report_path = Path(report_path)
     report = load_report(report_path)
-    gate = resolve_thresholds(recipe, min_alpha, min_speedup,
-                              max_itl_p99_regression, weights)
+    gate = dataclasses.replace(gate, weights=parse_weights(gate.weights))
     checks = evaluate(report, gate)
-    head_hash = report["head"].get("sha256", "")
+    head_hash = report["head"]["sha256"]
     passed = bool(checks) and all(c.passed for c in checks)
     print(format_checks(checks, report_path, head_hash))
-    write_json_atomic(report_path.with_name(GATE_FILE), {
+    atomic_write_json(report_path.with_name(GATE_FILE), {
         "passed": passed,
         "head_sha256": head_hash,
-        "head_path": report["head"].get("path"),
+        "head_path": report["head"]["path"],
         "report": str(report_path.resolve()),
         "report_sha256": sha256_file(report_path),
         "thresholds": dataclasses.asdict(gate),
@@ -209,11 +175,11 @@ def gate_passed_for(head_hash: str, report_path) -> bool:
     gate_file = report_path.with_name(GATE_FILE)
     try:
         verdict = json.loads(gate_file.read_text())
-        report = json.loads(report_path.read_text())
-    except (OSError, json.JSONDecodeError):
+        report = load_report(report_path)
+    except (OSError, json.JSONDecodeError, ReportError):
         return False
     return (verdict.get("passed") is True
             and bool(head_hash)
             and verdict.get("head_sha256") == head_hash
-            and report.get("head", {}).get("sha256") == head_hash
+            and report["head"]["sha256"] == head_hash
             and verdict.get("report_sha256") == sha256_file(report_path))

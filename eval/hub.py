@@ -14,9 +14,11 @@ import tempfile
 from pathlib import Path
 
 from eyas.data.packages import sha256_file
+from eyas.eval.gate import GATE_FILE, gate_passed_for
 from eyas.eval.modelcard import build_card
+from eyas.eval.report import load_report
 from eyas.heads.checkpoint import WEIGHTS
-from eyas.heads.export import EXPORT_METADATA, read_report, validate_export
+from eyas.heads.export import EXPORT_METADATA, validate_export
 
 PLOTS_DIR = "plots"
 
@@ -40,15 +42,9 @@ def gate_status(head_hash: str, report_path: Path | None) -> tuple[bool, dict | 
     """(passed for this exact head, gate.json or None, why not) from the gate beside the bench report."""
     if report_path is None:
         return False, None, "no bench report was recorded at export or given with --report"
-    gate_file = report_path.with_name("gate.json")
+    gate_file = report_path.with_name(GATE_FILE)
     gate = json.loads(gate_file.read_text()) if gate_file.exists() else None
-    try:
-        from eyas.eval.gate import gate_passed_for
-    except ImportError:  # the gate module is absent: read its verdict directly
-        passed = bool(gate) and gate.get("passed") is True and gate.get("head_sha256") == head_hash
-    else:
-        passed = gate_passed_for(head_hash, report_path)
-    if passed:
+    if gate_passed_for(head_hash, report_path):
         return True, gate, ""
     if gate is None:
         return False, None, f"no gate.json beside {report_path} (run `eyas gate {report_path}`)"
@@ -129,7 +125,7 @@ def push(export_dir, repo_id: str, report=None, dry_run: bool = False, force: bo
         if report:
             raise FileNotFoundError(f"bench report {report_path} does not exist")
         report_path = None  # recorded at export but gone: treated as no report
-    report_data = read_report(report_path)
+    report_data = load_report(report_path) if report_path else None
     passed, gate, reason = gate_status(info["source_head_hash"], report_path)
     if not passed and not force:
         print(f"eyas push: refused: {reason}. Publish only gated heads, or pass --force (recorded in the card).")

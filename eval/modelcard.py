@@ -1,4 +1,7 @@
-"""The Hub model card of an exported head: metadata, measured acceptance and speedup, the gate, plots, serving."""
+"""The Hub model card of an exported head: metadata, measured acceptance and speedup, the gate, plots, serving.
+
+The figures come from a bench report as eval/report.py `load_report` returns it (checked against its schema).
+"""
 
 from __future__ import annotations
 
@@ -7,14 +10,15 @@ from pathlib import Path
 
 import yaml
 
-from eyas.heads.export import KNOWN_TARGETS, local_target_dir, serving_markdown
+from eyas.data.targets import DEFAULT_TARGETS
+from eyas.heads.export import local_target_dir, serving_markdown
 
 
 def base_model_id(info: dict) -> str | None:
     """The target's Hub id when known: a named default's source model, or a verifier that looks like a Hub id."""
     target = info.get("target")
-    if target in KNOWN_TARGETS:
-        return KNOWN_TARGETS[target]["hub_id"]
+    if target in DEFAULT_TARGETS and DEFAULT_TARGETS[target].hub_id:
+        return DEFAULT_TARGETS[target].hub_id
     for name in (info.get("verifier"), target):
         if name and "/" in name and not name.startswith((".", "/", "~")) and not Path(name).exists():
             return name
@@ -63,26 +67,25 @@ FIGURES = [("alpha", "alpha (chain)"), ("tau", "tau"), ("speedup", "speedup"),
            ("itl_p99_regression", "p99 ITL regression"), ("lossless", "lossless")]
 
 
-def measurements_section(report: dict) -> list[str]:
+def measurements_section(report: dict | None) -> list[str]:
+    """The figures of a bench report (None: unmeasured, said so)."""
     if not report:
         return ["## Measured", "", "No bench report was given: acceptance and speedup are unmeasured.", ""]
-    env = report.get("environment") or {}
-    decoder = report.get("decoder") or report.get("settings") or {}
+    env, decoder = report["environment"], report["decoder"]
     lines = ["## Measured", "",
-             f"`eyas bench` on {fmt(report.get('prompts'))} held-out prompts, {env.get('device', '?')} "
-             f"({env.get('cuda_device') or 'no GPU'}, {env.get('dtype', '?')}), decoder {decoder.get('mode', '?')} "
-             f"(K={decoder.get('num_speculative_tokens', '?')}, depth {decoder.get('depth', '?')}, "
-             f"topk {decoder.get('topk', '?')}, budget {decoder.get('budget', '?')}). alpha is measured in chain mode "
-             f"at K={report.get('alpha_chain_length', decoder.get('num_speculative_tokens', '?'))}; "
+             f"`eyas bench` on {report['prompts']} held-out prompts, {env['device']} "
+             f"({env.get('cuda_device') or 'no GPU'}, {env['dtype']}), decoder {decoder['mode']} "
+             f"(K={decoder['num_speculative_tokens']}, depth {decoder['depth']}, topk {decoder['topk']}, "
+             f"budget {decoder['budget']}). alpha is measured in chain mode at K={report['alpha_chain_length']}; "
              "tau = 1 + accepted / drafts, pooled; speedup = speculative / plain tokens per second, same process.", ""]
-    if env.get("device") == "cpu":
+    if env["device"] == "cpu":
         lines += ["Timings were taken on a CPU and are indicative only; measure on your serving hardware.", ""]
     header = "| scope | " + " | ".join(title for _, title in FIGURES) + " |"
     lines += [header, "|" + "---|" * (len(FIGURES) + 1)]
-    rows = [("all prompts", report)] + sorted((report.get("by_category") or {}).items())
+    rows = [("all prompts", report)] + sorted(report["by_category"].items())
     for scope, figures in rows:
-        lines.append(f"| {scope} | " + " | ".join(fmt(figures.get(key)) for key, _ in FIGURES) + " |")
-    per_position = report.get("alpha_per_position")
+        lines.append(f"| {scope} | " + " | ".join(fmt(figures[key]) for key, _ in FIGURES) + " |")
+    per_position = report["alpha_per_position"]
     if per_position:
         lines += ["", "Acceptance per draft position: " + ", ".join(fmt(a, 2) for a in per_position)]
     return lines + [""]
@@ -107,7 +110,7 @@ def gate_section(gate: dict | None, passed: bool, forced: bool, reason: str) -> 
     return lines
 
 
-def build_card(info: dict, report: dict, gate: dict | None, gate_passed: bool, forced: bool, reason: str,
+def build_card(info: dict, report: dict | None, gate: dict | None, gate_passed: bool, forced: bool, reason: str,
                repo_id: str, plots: list[str]) -> str:
     """README.md for the Hub: YAML metadata, then the figures, gate, plots, serving commands and provenance."""
     c = info["head_config"]
@@ -118,7 +121,7 @@ def build_card(info: dict, report: dict, gate: dict | None, gate_passed: bool, f
              f"decoding of `{target}` in vLLM and SGLang. Draft vocabulary {c['draft_vocab_size']} of "
              f"{c['vocab_size']} target tokens; target features from layers {c['aux_layer_ids']} "
              "(the residual stream entering each layer).", ""]
-    if note := KNOWN_TARGETS.get(info.get("target"), {}).get("note"):
+    if note := getattr(DEFAULT_TARGETS.get(info.get("target")), "note", None):
         lines += [note, ""]
     lines += measurements_section(report)
     lines += gate_section(gate, gate_passed, forced, reason)
@@ -126,7 +129,7 @@ def build_card(info: dict, report: dict, gate: dict | None, gate_passed: bool, f
         lines += ["## Plots", ""] + [f"![{Path(p).stem}]({p})" for p in plots] + [""]
     lines += ["## Serving", "", serving_markdown(info["format"], target, repo_id, info["settings"])]
     provenance = {k: info.get(k) for k in ("source_head_hash", "target", "target_hash", "tokenizer_hash")}
-    provenance["bench_report_head_sha256"] = (report.get("head") or {}).get("sha256")
+    provenance["bench_report_head_sha256"] = report["head"]["sha256"] if report else None
     lines += ["## Provenance", "", "```json", json.dumps(provenance, indent=2), "```", "",
               "Made with eyas from a head trained on the target's own hidden states."]
     return "\n".join(lines) + "\n"

@@ -1,15 +1,155 @@
-"""What a bench report looks like to a person: summary.md, a one-screen table, and PNG plots."""
+"""report.json, the one file bench writes and gate, export and the model card read, and how it looks to a person.
+
+The schema is versioned: `schema_version` is REPORT_SCHEMA_VERSION, and `load_report` refuses a report
+of another version or one missing a field the readers rely on, naming that field. Readers get reports
+only through `load_report` (or `serving_settings`, for the export's snippets); bench builds one with
+`make_report` and writes it with `write_report`. Beside it bench writes summary.md and PNG plots.
+
+Fields every reader may rely on (bench writes many more: latencies, cost model, per prompt rows):
+    schema_version        REPORT_SCHEMA_VERSION
+    prompts, tau, alpha, speedup, spec_tokens_per_s, baseline_tokens_per_s, itl_p99_regression, lossless
+                          the pooled figures; the same under by_category[<category>]
+    alpha_per_position, alpha_chain_length (K at which alpha is measured), lossless_exact_expected
+    decoder               mode, num_speculative_tokens, depth, topk, budget (the shape that was measured)
+    head                  path, sha256 (content hash of its model.safetensors)
+    target                name, sha256;  environment: device, dtype
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 from pathlib import Path
+from typing import Any, Callable
 
-from eyas.data.atomic import atomic_write as write_atomic
+from eyas.data.atomic import atomic_write, atomic_write_json, atomic_write_text
+
+REPORT_SCHEMA_VERSION = 1
+REPORT_FILE = "report.json"
 
 
-def write_json_atomic(path: str | Path, data: dict) -> Path:
-    return write_atomic(path, lambda tmp: tmp.write_text(json.dumps(data, indent=2, allow_nan=False) + "\n"))
+class ReportError(ValueError):
+    """A file that is not a bench report this eyas can read; the message names the field."""
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+KINDS: dict[str, Callable[[Any], bool]] = {
+    "an integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "a number or null": lambda v: v is None or _number(v),
+    "true, false or null": lambda v: v is None or isinstance(v, bool),
+    "true or false": lambda v: isinstance(v, bool),
+    "a string": lambda v: isinstance(v, str),
+    "a list": lambda v: isinstance(v, list),
+    "an object": lambda v: isinstance(v, dict),
+}
+# The figures gate and model card read, pooled and per category.
+FIGURES = {"prompts": "an integer", "tau": "a number or null", "alpha": "a number or null",
+           "speedup": "a number or null", "spec_tokens_per_s": "a number or null",
+           "baseline_tokens_per_s": "a number or null", "itl_p99_regression": "a number or null",
+           "lossless": "true, false or null"}
+FIELDS = {"schema_version": "an integer", **FIGURES, "alpha_per_position": "a list",
+          "alpha_chain_length": "an integer", "lossless_exact_expected": "true or false",
+          "by_category": "an object", "decoder": "an object", "head": "an object", "target": "an object",
+          "environment": "an object"}
+SECTIONS = {
+    "decoder": {"mode": "a string", "num_speculative_tokens": "an integer", "depth": "an integer",
+                "topk": "an integer", "budget": "an integer"},
+    "head": {"path": "a string", "sha256": "a string"},
+    "target": {"name": "a string", "sha256": "a string"},
+    "environment": {"device": "a string", "dtype": "a string"},
+}
+
+
+def _check_fields(where: str, record: dict, fields: dict[str, str], prefix: str = "") -> None:
+    for key, kind in fields.items():
+        if key not in record:
+            raise ReportError(f"{where}: field '{prefix}{key}' is missing (re-run `eyas bench`)")
+        if not KINDS[kind](record[key]):
+            raise ReportError(f"{where}: field '{prefix}{key}' is {record[key]!r:.40}, expected {kind}")
+
+
+def check_report(report: Any, where: str = "bench report") -> None:
+    """Raise ReportError naming the first field that is missing, of the wrong kind or of another version."""
+    if not isinstance(report, dict):
+        raise ReportError(f"{where}: expected a JSON object, got {type(report).__name__}")
+    version = report.get("schema_version")
+    if version is None:
+        raise ReportError(f"{where}: field 'schema_version' is missing: not a report.json of `eyas bench`, or "
+                          "one written before reports were versioned (re-run `eyas bench`)")
+    if version != REPORT_SCHEMA_VERSION:
+        raise ReportError(f"{where}: field 'schema_version' is {version!r}, this eyas reads version "
+                          f"{REPORT_SCHEMA_VERSION} (re-run `eyas bench`)")
+    _check_fields(where, report, FIELDS)
+    for section, fields in SECTIONS.items():
+        _check_fields(where, report[section], fields, prefix=f"{section}.")
+    for name, figures in report["by_category"].items():
+        if not isinstance(figures, dict):
+            raise ReportError(f"{where}: field 'by_category.{name}' is {figures!r:.40}, expected an object")
+        _check_fields(where, figures, FIGURES, prefix=f"by_category.{name}.")
+
+
+def make_report(fields: dict) -> dict:
+    """The report of `fields` (plain JSON values, stamped with the schema version), checked against the schema."""
+    report = plain_json({"schema_version": REPORT_SCHEMA_VERSION, **fields})
+    check_report(report)
+    return report
+
+
+def write_report(path: str | Path, report: dict) -> Path:
+    check_report(report, str(path))
+    return atomic_write_json(path, report)
+
+
+def load_report(path: str | Path) -> dict:
+    """A bench report.json, checked: FileNotFoundError when absent, ReportError naming a bad field."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"bench report {path} does not exist (run `eyas bench <recipe>` first)")
+    try:
+        report = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ReportError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    check_report(report, str(path))
+    return report
+
+
+def serving_settings(report_path: str | Path | None, num_speculative_tokens: int | None = None) -> dict:
+    """The decoding settings the export's serving snippets need, from the bench report when it exists.
+
+    K is the report's alpha_chain_length (the chain length measured for serving) unless
+    `num_speculative_tokens` overrides it; a tree decoder's depth, topk and budget carry over to
+    SGLang's flags. Without a report file: chain defaults (heads.export.decoding_settings).
+    """
+    from eyas.heads.export import decoding_settings
+
+    path = Path(report_path) if report_path else None
+    if path is None or not path.exists():
+        return decoding_settings(num_speculative_tokens)
+    report = load_report(path)
+    d = report["decoder"]
+    return decoding_settings(num_speculative_tokens or report["alpha_chain_length"], mode=d["mode"],
+                             depth=d["depth"], topk=d["topk"], budget=d["budget"], report=str(path.resolve()))
+
+
+def plain_json(value):
+    """Plain JSON values: numpy and torch scalars unwrapped, NaN/inf as null (JSON has neither)."""
+    if isinstance(value, dict):
+        return {str(k): plain_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain_json(v) for v in value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return plain_json(dataclasses.asdict(value))
+    if hasattr(value, "tolist") and not isinstance(value, (bool, int, float, str)):
+        return plain_json(value.tolist())  # numpy scalars and arrays, torch tensors (neither is imported here)
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
 
 
 # ---- text -----------------------------------------------------------------------------------------
@@ -103,8 +243,7 @@ def write_summary(report: dict, path: str | Path) -> Path:
                   f"as cheap as a plain step: {cost['predicted_speedup_free_draft']:.2f}x)."]
     lines += ["", f"Lossless: {report['lossless']}. {report.get('lossless_note', '')}", ""]
     lines += [f"![{p}]({p})" for p in report.get("plots", [])]
-    text = "\n".join(lines) + "\n"
-    return write_atomic(path, lambda tmp: tmp.write_text(text))
+    return atomic_write_text(path, "\n".join(lines) + "\n")
 
 
 # ---- plots ----------------------------------------------------------------------------------------
@@ -112,7 +251,7 @@ def write_summary(report: dict, path: str | Path) -> Path:
 def _save(fig, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
-    write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=110, bbox_inches="tight", format="png"))
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, bbox_inches="tight", format="png"))
     plt.close(fig)
     return path
 

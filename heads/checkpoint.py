@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from eyas.data.atomic import atomic_dir_write  # noqa: F401  (re-exported: heads write through it)
+from eyas.data.atomic import atomic_dir_write
 from eyas.heads.eagle3 import Eagle3Config, Eagle3Head
 
 METADATA = "eyas_head.json"

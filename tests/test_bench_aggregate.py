@@ -5,10 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from eyas.eval.bench import (BenchPrompt, PromptResult, acceptance_figures, by_category, cost_model,
-                             inter_token_latencies, percentiles, plain_json, predicted_speedup, speed_figures,
-                             summarize, token_agreement)
+from eyas.eval.aggregate import (PromptResult, acceptance_figures, by_category, cost_model, inter_token_latencies,
+                                 percentiles, predicted_speedup, speed_figures, speedup_interval, summarize,
+                                 token_agreement)
+from eyas.eval.bench import BenchPrompt
 from eyas.eval.decoder import GenerationStats as Stats
+from eyas.eval.report import plain_json
 
 
 def test_tau_is_pooled_not_a_mean_of_per_prompt_means():
@@ -141,16 +143,53 @@ def test_token_agreement_counts_the_prefix_before_the_first_divergence():
 
 
 def test_plain_json_drops_non_finite_numbers():
+    import torch
+
     assert plain_json({"a": float("nan"), "b": [np.float32(1.5), float("inf")], 3: np.int64(2)}) == \
         {"a": None, "b": [1.5, None], "3": 2}
+    assert plain_json({"t": torch.tensor([0.5, float("nan")]), "ok": np.bool_(True)}) == {"t": [0.5, None], "ok": True}
 
 
 def test_speedup_interval_brackets_the_pooled_speedup_and_narrows_when_prompts_agree():
-    from eyas.eval.bench import speedup_interval
-
     plain_tokens, plain_s = [100] * 8, [1.0] * 8
     noisy = speedup_interval([100] * 8, [0.25, 1.0] * 4, plain_tokens, plain_s)
     steady = speedup_interval([100] * 8, [0.5] * 8, plain_tokens, plain_s)
     assert noisy[0] < 1 / 0.625 < noisy[1]
     assert steady == pytest.approx([2.0, 2.0])
     assert speedup_interval([10], [1.0], [10], [1.0]) is None
+
+
+def test_a_quiet_machine_and_steady_prompts_make_trustworthy_figures():
+    from eyas.eval.bench import measurement_noise
+
+    noise = measurement_noise(load_before=(0.3, 0.2, 0.1), load_after=(1.2, 0.8, 0.5), cpus=2, bench_threads=1,
+                              plain_s_per_token=[0.010, 0.011, 0.0105])
+    assert noise["trustworthy"] is True and noise["warnings"] == []
+    assert noise["cpus"] == 2 and noise["load_before"] == [0.3, 0.2, 0.1] and noise["load_after"][0] == 1.2
+    assert noise["other_load_per_core"] == pytest.approx(0.15)  # max(0.3, 1.2 - 1) / 2
+    assert noise["plain_ms_per_token_cv"] == pytest.approx(np.std([10, 11, 10.5]) / 10.5)
+
+
+@pytest.mark.parametrize("before, after, threads, why", [
+    ((2.5, 2.0, 1.0), (2.6, 2.0, 1.0), 1, "load"),  # busy before the bench began
+    ((0.2, 0.2, 0.2), (3.2, 1.0, 0.5), 1, "load"),  # others started during the bench: 2.2 beyond its own thread
+])
+def test_load_beyond_the_bench_itself_marks_the_figures_untrustworthy(before, after, threads, why):
+    from eyas.eval.bench import measurement_noise
+
+    noise = measurement_noise(before, after, cpus=2, bench_threads=threads, plain_s_per_token=[0.01, 0.01])
+    assert noise["trustworthy"] is False and len(noise["warnings"]) == 1
+    assert "load average" in noise["warnings"][0] and "per core" in noise["warnings"][0]
+
+
+def test_a_large_run_to_run_spread_or_inconsistent_layout_timings_mark_the_figures_untrustworthy():
+    from eyas.eval.bench import measurement_noise
+
+    noise = measurement_noise((0.1,) * 3, (0.9,) * 3, cpus=2, bench_threads=1, plain_s_per_token=[0.01, 0.03, 0.01])
+    assert noise["trustworthy"] is False and "spread" in noise["warnings"][0]
+    noise = measurement_noise((0.1,) * 3, (0.9,) * 3, cpus=2, bench_threads=1, plain_s_per_token=[0.01, 0.01],
+                              layout_warnings=["12 rows: inconsistent timings"])
+    assert noise["trustworthy"] is False and "12 rows" in noise["warnings"][0]
+    # No load signal (a platform without getloadavg): nothing claimed about the load.
+    noise = measurement_noise(None, None, cpus=2, bench_threads=1, plain_s_per_token=[0.01, 0.01])
+    assert noise["trustworthy"] is True and noise["other_load_per_core"] is None

@@ -1,4 +1,4 @@
-"""One real `run_bench` on a tiny random-weight Llama target (SmolLM2's real tokenizer) and an EAGLE-3 head.
+"""One real bench stage (`run_one("bench", recipe)`) on a tiny random-weight Llama target (SmolLM2's real tokenizer) and an EAGLE-3 head.
 
 The head is wired to output a constant (zero fc and o_proj, so its layer output is the MLP's down_proj bias),
 whose logits favour draft id 0, mapped to the token the target emits most: drafts are then partly accepted
@@ -19,14 +19,16 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from eyas.data.config import TargetConfig
 from eyas.data.packages import sha256_file
-from eyas.data.targets import load_tokenizer, tokenizer_hash
-from eyas.eval.bench import BenchPrompt, encode_prompt, run_bench
-from eyas.eval.config import BenchConfig, DecoderConfig
+from eyas.data.targets import Target, tokenizer_hash
+from eyas.eval.bench import BenchPrompt, PromptFileError, encode_prompt
+from eyas.eval.config import BenchConfig, DecoderConfig, GateConfig
 from eyas.eval.decoder import PlainDecoder
 from eyas.eval.gate import gate_passed_for, run_gate
+from eyas.eval.report import REPORT_SCHEMA_VERSION, load_report
 from eyas.heads.checkpoint import HeadMismatchError, save_head
 from eyas.heads.eagle3 import Eagle3Config, build_head
 from eyas.recipe import Recipe
+from eyas.stages import run_one
 
 PROMPTS = [
     {"messages": [{"role": "user", "content": "Tell me about the rivers of Europe."}], "category": "chat"},
@@ -81,26 +83,27 @@ def constant_proposal_head(model, tokenizer, favourite: int, path: Path, tokeniz
 @pytest.fixture(scope="module")
 def bench_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("bench_e2e")
-    tokenizer = load_tokenizer(TargetConfig())
+    tokenizer = Target.resolve(TargetConfig()).tokenizer
     target_dir, model = tiny_target_dir(root, tokenizer)
     recipe = Recipe(output_dir=str(root / "run"),
                     target=TargetConfig(name_or_path=str(target_dir), dtype="float32", device="cpu"),
                     bench=BenchConfig(num_prompts=3, warmup=1, decoder=DECODER))
-    # Where the data and train stages leave them, so run_bench finds both by default.
+    # Where the data and train stages leave them, so the bench stage finds both by default.
     prompts_file = recipe.stage_dir("data") / "prompts.jsonl"
     prompts_file.parent.mkdir(parents=True)
     prompts_file.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
     favourite = favourite_token(model, tokenizer, PROMPTS[:3], DECODER)
     head_dir = constant_proposal_head(model, tokenizer, favourite, recipe.stage_dir("head") / "best",
                                       tokenizer_hash(tokenizer))
-    report_path = run_bench(recipe)
-    return {"report_path": report_path, "report": json.loads(report_path.read_text()), "head_dir": head_dir,
+    report_path = run_one("bench", recipe) / "report.json"
+    return {"report_path": report_path, "report": load_report(report_path), "head_dir": head_dir,
             "recipe": recipe, "prompts": prompts_file, "root": root, "model": model, "tokenizer": tokenizer}
 
 
 def test_report_has_every_figure_and_speculative_output_is_lossless(bench_run):
     report = bench_run["report"]
     assert bench_run["report_path"] == bench_run["recipe"].stage_dir("bench") / "report.json"
+    assert report["schema_version"] == REPORT_SCHEMA_VERSION
     assert report["prompts"] == 3
     assert report["lossless"] is True and report["lossless_exact_expected"] is True
     assert report["lossless_prompts"] == 3
@@ -167,8 +170,8 @@ def test_gate_on_a_real_report_ties_the_verdict_to_the_head(bench_run):
     report_path, report = bench_run["report_path"], bench_run["report"]
     assert main(["gate", str(report_path), "--min-alpha", "0", "--weights", "chat=0.5,code=0.5"]) == 0
     assert gate_passed_for(report["head"]["sha256"], report_path)
-    assert run_gate(report_path, min_alpha=0.0) == 0
-    assert run_gate(report_path, min_alpha=0.0, min_speedup=1e6) == 1
+    assert run_gate(report_path, GateConfig(min_alpha=0.0)) == 0
+    assert run_gate(report_path, GateConfig(min_alpha=0.0, min_speedup=1e6)) == 1
     assert not gate_passed_for(report["head"]["sha256"], report_path)
 
 
@@ -177,7 +180,8 @@ def test_autotune_picks_the_shape_on_held_out_prompts_and_benches_with_it(bench_
         bench_run["recipe"], output_dir=str(bench_run["root"] / "tuned"),
         bench=BenchConfig(num_prompts=1, warmup=1, compare_hf=False, autotune=True,
                           decoder=dataclasses.replace(DECODER, max_new_tokens=6)))
-    report = json.loads(run_bench(recipe, head_dir=bench_run["head_dir"], prompts=bench_run["prompts"]).read_text())
+    out = run_one("bench", recipe, head=str(bench_run["head_dir"]), prompts=str(bench_run["prompts"]))
+    report = load_report(out / "report.json")
     tune = report["autotune"]
     assert tune["held_out"] is True and 1 not in tune["prompt_lines"]  # line 1 is the measured prompt
     chosen = [row for row in tune["table"] if row["chosen"]]
@@ -186,11 +190,82 @@ def test_autotune_picks_the_shape_on_held_out_prompts_and_benches_with_it(bench_
     assert report["lossless"] is True and report["speedup_vs_hf_generate"] is None
 
 
-def test_a_head_trained_for_another_tokenizer_is_refused(bench_run):
+def fail_if_the_model_loads(monkeypatch):
+    def load_model(self, device=None):
+        raise AssertionError("the target model was loaded before the input was refused")
+
+    monkeypatch.setattr(Target, "load_model", load_model)
+
+
+def test_a_head_trained_for_another_tokenizer_is_refused_before_the_model_loads(bench_run, monkeypatch):
     bad_head = constant_proposal_head(bench_run["model"], bench_run["tokenizer"], 5, bench_run["root"] / "bad",
                                       tokenizer_sha="0" * 64)
+    recipe = dataclasses.replace(bench_run["recipe"], output_dir=str(bench_run["root"] / "mismatch"))
+    fail_if_the_model_loads(monkeypatch)
     with pytest.raises(HeadMismatchError, match="tokenizer"):
-        run_bench(bench_run["recipe"], head_dir=bad_head, prompts=bench_run["prompts"])
+        run_one("bench", recipe, head=str(bad_head), prompts=str(bench_run["prompts"]))
+
+
+def head_for_other_weights(bench_run) -> Path:
+    """The bench's head, recorded as trained against another target's weights (same tokenizer and sizes)."""
+    import shutil
+
+    head = Path(shutil.copytree(bench_run["head_dir"], bench_run["root"] / "other-weights-head", dirs_exist_ok=True))
+    meta = json.loads((head / "eyas_head.json").read_text())
+    (head / "eyas_head.json").write_text(json.dumps(dict(meta, target_hash="0" * 64)))
+    return head
+
+
+def test_a_head_trained_against_other_weights_is_refused_before_the_model_loads(bench_run, monkeypatch):
+    recipe = dataclasses.replace(bench_run["recipe"], output_dir=str(bench_run["root"] / "other-target"))
+    fail_if_the_model_loads(monkeypatch)
+    with pytest.raises(HeadMismatchError, match="trained against target weights 000000000000") as err:
+        run_one("bench", recipe, head=str(head_for_other_weights(bench_run)), prompts=str(bench_run["prompts"]))
+    assert "\n" not in str(err.value) and "allow" in str(err.value)
+
+
+def test_a_loaded_machine_and_other_target_weights_are_said_in_the_report_summary_and_stderr(bench_run, monkeypatch,
+                                                                                             capsys):
+    """Allowed on purpose: the report is marked, summary.md and stderr say why its figures are not the head's."""
+    import os
+
+    from eyas.eval.bench import bench
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (6.0, 6.0, 6.0))  # another job on every core
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    cfg = BenchConfig(num_prompts=1, warmup=1, compare_hf=False, decoder=dataclasses.replace(DECODER, max_new_tokens=6))
+    out = bench_run["root"] / "allowed"
+    target = Target.resolve(bench_run["recipe"].target)
+    bench(cfg, target, head_for_other_weights(bench_run), bench_run["prompts"], out, 2, allow_other_target=True)
+    report = load_report(out / "report.json")
+    assert report["target"]["matches_head"] is False and report["target"]["head_target_sha256"] == "0" * 64
+    noise = report["noise"]
+    assert noise["trustworthy"] is False and noise["load_before"] == [6.0, 6.0, 6.0] and noise["cpus"] == 2
+    summary = (out / "summary.md").read_text()
+    assert "other weights than the head was trained against" in summary
+    assert "untrustworthy" in summary and "load average" in summary
+    err = capsys.readouterr().err
+    assert "other weights than the head was trained against" in err and "load average" in err
+    assert run_gate(out / "report.json", GateConfig(min_alpha=0.0)) == 1  # never gated as the head's figures
+
+
+def test_a_bad_prompts_file_is_refused_before_the_model_loads(bench_run, monkeypatch):
+    bad = bench_run["root"] / "bad-prompts.jsonl"
+    bad.write_text(json.dumps(PROMPTS[0]) + "\n" + json.dumps({"prompt": 3}) + "\n")
+    recipe = dataclasses.replace(bench_run["recipe"], output_dir=str(bench_run["root"] / "bad-prompts"))
+    fail_if_the_model_loads(monkeypatch)
+    with pytest.raises(PromptFileError, match=r"bad-prompts.jsonl:2: field 'prompt'"):
+        run_one("bench", recipe, head=str(bench_run["head_dir"]), prompts=str(bad))
+
+
+
+def test_a_decoder_setting_that_cannot_decode_is_refused_before_the_model_loads(bench_run, monkeypatch):
+    fail_if_the_model_loads(monkeypatch)
+    with pytest.raises(ValueError, match="mode"):
+        bench = dataclasses.replace(bench_run["recipe"].bench, decoder=dataclasses.replace(DECODER, mode="beam"))
+        run_one("bench", dataclasses.replace(bench_run["recipe"], output_dir=str(bench_run["root"] / "beam"),
+                                             bench=bench),
+                head=str(bench_run["head_dir"]), prompts=str(bench_run["prompts"]))
 
 
 @pytest.mark.slow
@@ -206,7 +281,7 @@ def test_real_smollm2_bench_is_lossless_and_agrees_with_transformers(tmp_path):
                                       tmp_path / "head", tokenizer_hash(tokenizer))
     recipe = Recipe(output_dir=str(tmp_path / "run"), target=TargetConfig(dtype="float32", device="cpu"),
                     bench=BenchConfig(num_prompts=2, warmup=1, decoder=decoder))
-    report = json.loads(run_bench(recipe, head_dir=head_dir, prompts=prompts_file).read_text())
+    report = load_report(run_one("bench", recipe, head=str(head_dir), prompts=str(prompts_file)) / "report.json")
     assert report["lossless"] is True and report["hf_generate_token_agreement"] == 1.0
     assert report["tau"] > 1 and report["alpha"] > 0
     assert set(report["by_category"]) == {"chat", "code"}

@@ -70,9 +70,9 @@ def test_selection_covers_every_category_in_file_order():
 @pytest.fixture(scope="module")
 def smollm_tokenizer():
     from eyas.data.config import TargetConfig
-    from eyas.data.targets import load_tokenizer
+    from eyas.data.targets import Target
 
-    return load_tokenizer(TargetConfig())
+    return Target.resolve(TargetConfig()).tokenizer
 
 
 def test_chat_prompts_end_with_the_assistant_generation_prompt(smollm_tokenizer):

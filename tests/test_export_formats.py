@@ -10,17 +10,19 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from eyas.eval.report import ReportError, serving_settings
 from eyas.heads.checkpoint import WEIGHTS, head_content_hash, save_head
 from eyas.heads.eagle3 import Eagle3Config, build_head
 from eyas.heads.export import (
     EXPORT_METADATA,
     FORMATS,
     ExportValidationError,
+    decoding_settings,
     export_head,
     load_exported,
-    serving_settings,
     validate_export,
 )
+from test_gate_checks import crafted_report, write_report
 
 
 def tiny_target(folder: Path, seed: int = 0, config: LlamaConfig | None = None) -> tuple[LlamaForCausalLM, Path]:
@@ -98,9 +100,8 @@ def test_sglang_vllm_config_has_both_layer_conventions_and_target_rope(setup):
 
 def test_speculators_config_and_names(setup):
     root, _, target_dir, head_dir = setup
-    report = root / "report.json"
-    report.write_text(json.dumps({"settings": {"mode": "chain", "num_speculative_tokens": 3}}))
-    out = export_head(head_dir, "speculators", root / "spec", report=report)
+    report = write_report(root / "chain-bench", crafted_report(alpha_chain_length=3))
+    out = export_head(head_dir, "speculators", root / "spec", settings=serving_settings(report))
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["speculators_model_type"] == "eagle3" and cfg["architectures"] == ["Eagle3Speculator"]
     assert cfg["norm_before_residual"] is False
@@ -182,10 +183,9 @@ def test_failed_export_leaves_existing_output_untouched(setup, tmp_path):
 
 def test_snippets_use_bench_settings(setup):
     root, _, _, head_dir = setup
-    report = root / "tree-report.json"
-    report.write_text(json.dumps({"decoder": {"mode": "tree", "num_speculative_tokens": 3, "depth": 5, "topk": 4,
-                                              "budget": 16}}))
-    out = export_head(head_dir, "sglang", root / "snip", report=report, verifier="org/target")
+    report = write_report(root / "tree-bench", crafted_report(
+        alpha_chain_length=3, decoder={"mode": "tree", "num_speculative_tokens": 4, "depth": 5, "topk": 4, "budget": 16}))
+    out = export_head(head_dir, "sglang", root / "snip", settings=serving_settings(report), verifier="org/target")
     serving = (out / "SERVING.md").read_text()
     assert (f"python -m sglang.launch_server --model org/target --speculative-algorithm EAGLE3 "
             f"--speculative-draft-model-path {out.resolve()} --speculative-num-steps 5 --speculative-eagle-topk 4 "
@@ -195,14 +195,28 @@ def test_snippets_use_bench_settings(setup):
     assert serving.split("\n\n", 1)[1] in (out / "README.md").read_text()
     info = json.loads((out / EXPORT_METADATA).read_text())
     assert info["bench_report"] == str(report.resolve())
+    assert info["settings"]["from_report"] is True and "report" not in info["settings"]
+    assert "the best settings of the bench report" in serving
 
 
-def test_serving_settings_tolerate_missing_or_partial_reports():
-    assert serving_settings({}) == {"mode": "chain", "num_speculative_tokens": 4, "from_report": False, "depth": 4,
-                                    "topk": 1, "num_draft_tokens": 5}
-    assert serving_settings({"settings": {"mode": "chain"}}, num_speculative_tokens=2)["num_draft_tokens"] == 3
-    tree = serving_settings({"settings": {"mode": "tree", "depth": 2, "topk": 2, "budget": 16}})
-    assert tree["num_draft_tokens"] == 5  # SGLang caps draft tokens at depth * topk + 1
+def test_serving_settings_come_from_the_report_or_chain_defaults(tmp_path):
+    defaults = {"mode": "chain", "num_speculative_tokens": 4, "from_report": False, "report": None, "depth": 4,
+                "topk": 1, "num_draft_tokens": 5}
+    assert serving_settings(tmp_path / "absent.json", None) == defaults == decoding_settings()
+    assert serving_settings(None, num_speculative_tokens=2)["num_draft_tokens"] == 3
+    chain = write_report(tmp_path / "chain", crafted_report(alpha_chain_length=3))
+    got = serving_settings(chain, None)
+    # K is the chain length alpha was measured at (the one meant for serving), not the decoder's own K.
+    assert got == dict(defaults, num_speculative_tokens=3, depth=3, num_draft_tokens=4, from_report=True,
+                       report=str(chain.resolve()))
+    assert serving_settings(chain, num_speculative_tokens=2)["num_draft_tokens"] == 3  # the override wins
+    tree = write_report(tmp_path / "tree", crafted_report(
+        decoder={"mode": "tree", "num_speculative_tokens": 4, "depth": 2, "topk": 2, "budget": 16}))
+    assert serving_settings(tree)["num_draft_tokens"] == 5  # SGLang caps draft tokens at depth * topk + 1
+    stale = crafted_report()
+    del stale["decoder"]["budget"]
+    with pytest.raises(ReportError, match="field 'decoder.budget' is missing"):
+        serving_settings(write_report(tmp_path / "stale", stale))
 
 
 def test_third_party_export_loads_without_eyas_metadata(setup):
@@ -226,6 +240,11 @@ def test_cli_export_writes_each_format(setup):
     assert validate_export(out / "sglang") == "sglang"
     assert validate_export(out / "speculators") == "speculators"
     assert main(["export", str(root / "missing"), "--format", "vllm", "--out", str(root / "x")]) == 2
+    report = write_report(root / "cli-bench", crafted_report(alpha_chain_length=3))
+    assert main(["export", str(head_dir), "--format", "speculators", "--out", str(root / "cli-k"),
+                 "--report", str(report), "--num-speculative-tokens", "2"]) == 0
+    spec = json.loads((root / "cli-k" / "config.json").read_text())["speculators_config"]
+    assert spec["proposal_methods"][0]["speculative_tokens"] == 2
 
 
 def test_verifier_is_a_hub_id_or_path_never_an_eyas_short_name():

@@ -8,11 +8,14 @@ from pathlib import Path
 import matplotlib
 import pytest
 
+from eyas.eval.config import GateConfig
 from eyas.eval.gate import run_gate
 from eyas.eval.hub import PushError, push
+from eyas.eval.report import serving_settings
 from eyas.heads.checkpoint import head_content_hash
 from eyas.heads.export import export_head
 from test_export_formats import tiny_head_dir, tiny_target
+from test_gate_checks import crafted_report
 
 matplotlib.use("Agg")
 
@@ -22,14 +25,13 @@ def bench_report(folder: Path, head_dir: Path, alpha: float = 0.7) -> Path:
     import matplotlib.pyplot as plt
 
     folder.mkdir(parents=True, exist_ok=True)
-    figures = {"alpha": alpha, "tau": 2.9, "speedup": 1.8, "spec_tokens_per_s": 90.0, "baseline_tokens_per_s": 50.0,
-               "itl_p99_regression": 0.1, "lossless": True}
-    report = dict(figures, prompts=8, alpha_per_position=[0.8, 0.7, 0.6], alpha_chain_length=3,
-                  by_category={"chat": dict(figures, alpha=0.62, tau=2.4, speedup=1.5),
-                               "code": dict(figures, alpha=0.81, tau=3.3, speedup=2.2)},
-                  decoder={"mode": "tree", "num_speculative_tokens": 3, "depth": 4, "topk": 2, "budget": 6},
-                  head={"path": str(head_dir), "sha256": head_content_hash(head_dir)},
-                  environment={"device": "cpu", "dtype": "float32", "cuda_device": None})
+    figures = {"prompts": 4, "alpha": alpha, "tau": 2.9, "speedup": 1.8, "spec_tokens_per_s": 90.0,
+               "baseline_tokens_per_s": 50.0, "itl_p99_regression": 0.1, "lossless": True}
+    report = crafted_report(head=head_content_hash(head_dir), head_path=str(head_dir), **dict(figures, prompts=8),
+                            alpha_per_position=[0.8, 0.7, 0.6], alpha_chain_length=3,
+                            by_category={"chat": dict(figures, alpha=0.62, tau=2.4, speedup=1.5),
+                                         "code": dict(figures, alpha=0.81, tau=3.3, speedup=2.2)},
+                            decoder={"mode": "tree", "num_speculative_tokens": 3, "depth": 4, "topk": 2, "budget": 6})
     path = folder / "report.json"
     path.write_text(json.dumps(report))
     fig, ax = plt.subplots(figsize=(2, 2))
@@ -52,8 +54,9 @@ def gated_export(tmp_path, monkeypatch):
     (target_dir / "README.md").write_text("---\nlicense: mit\n---\n# tiny target\n")
     head_dir = tiny_head_dir(tmp_path / "head", target, target_dir)
     report = bench_report(tmp_path / "bench", head_dir)
-    assert run_gate(report, min_alpha=0.55) == 0
-    out = export_head(head_dir, "speculators", tmp_path / "export", report=report, verifier=str(target_dir))
+    assert run_gate(report, GateConfig(min_alpha=0.55)) == 0
+    out = export_head(head_dir, "speculators", tmp_path / "export", settings=serving_settings(report),
+                      verifier=str(target_dir))
     return tmp_path, out, head_dir, report
 
 
@@ -98,11 +101,11 @@ def test_refuses_gate_of_another_head_or_a_failed_gate(gated_export, capsys):
     tmp_path, out, head_dir, report = gated_export
     target, target_dir = tiny_target(tmp_path / "target2", seed=5)
     other_head = tiny_head_dir(tmp_path / "other-head", target, target_dir, seed=7)
-    other = export_head(other_head, "sglang", tmp_path / "other-export", report=report)
+    other = export_head(other_head, "sglang", tmp_path / "other-export", settings=serving_settings(report))
     assert push(other, "someone/x", dry_run=True) == 1
     assert "is for head" in capsys.readouterr().out
     failing = bench_report(tmp_path / "bench-fail", head_dir, alpha=0.3)
-    assert run_gate(failing, min_alpha=0.55) == 1
+    assert run_gate(failing, GateConfig(min_alpha=0.55)) == 1
     capsys.readouterr()
     assert push(out, "someone/x", report=failing, dry_run=True) == 1
     assert "the gate failed" in capsys.readouterr().out
