@@ -1,8 +1,8 @@
 """The EAGLE-3 draft head: fc over three target features, one Llama decoder layer, norm, lm_head.
 
 Position t reads the target features of token t and the embedding of token t+1 and predicts token t+2.
-Parameter names are exactly those SGLang and vLLM load (`midlayer.*`); see
-shared/reference/eagle3-serving-format.md. The target's token embedding is not part of the head: callers
+Parameter names are exactly those SGLang and vLLM load (`midlayer.*`); docs/serving-format.md lists
+what the engines expect. The target's token embedding is not part of the head: callers
 pass embeddings (`embed(target_embedding_weight, ids)`), so it is never saved or trained.
 
 The attention itself is left to the caller through `qkv()` and `finish()`: training composes the
@@ -72,7 +72,7 @@ class Eagle3Config:
     def from_target(cls, target_config, draft_vocab_size: int, aux_layer_ids: list[int],
                     hidden_size: int | None = None, intermediate_size: int | None = None,
                     num_attention_heads: int | None = None, num_key_value_heads: int | None = None) -> "Eagle3Config":
-        from eyas.data.targets import text_config
+        from eyas.data.model_config import text_config
 
         tc = text_config(target_config)
         hidden = hidden_size or tc.hidden_size
