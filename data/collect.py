@@ -65,7 +65,8 @@ def progress_path(out: Path, split: str, rank: int) -> Path:
 def write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> dict:
     data = safetensors_bytes({k: v.contiguous() for k, v in tensors.items()}, metadata={"format": FORMAT})
     atomic_write_bytes(path, data)
-    return {"sha256": sha256_bytes(data), "bytes": len(data)}
+    # The write time lets readers skip the checksum of an untouched shard (data/features.verify_shards).
+    return {"sha256": sha256_bytes(data), "bytes": len(data), "mtime_ns": path.stat().st_mtime_ns}
 
 
 def batch_tokens(split_ds, rows: list[int], where: str, vocab_size: int) -> list[dict[str, torch.Tensor]]:
@@ -197,7 +198,9 @@ def begin_store(out: Path, key: str, world: int, state) -> None:
         stamp = {"hash": key, "num_processes": world}
         if out.exists() and (not started.exists() or read_json(started) != stamp):
             print(f"[collect] {out} holds features of other inputs; starting over", flush=True)
-            shutil.rmtree(out)
+            for entry in out.iterdir():  # everything but the run's own folder locks (data/stage.py)
+                if not entry.name.startswith(".lock."):
+                    shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
         for split in SPLITS:
             (out / split).mkdir(parents=True, exist_ok=True)
             for tmp in (out / split).glob(".*.tmp-*"):

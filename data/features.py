@@ -243,10 +243,12 @@ class Teacher:
     """Dense draft-vocabulary logits for the loss: lm_head rows [Vd, H] + softcap (last_hidden), or the
     top-k logits scattered into -inf (topk), so softmax gives the renormalised teacher in both layouts."""
 
-    def __init__(self, lm_head_rows: torch.Tensor | None, softcap: float | None, draft_vocab_size: int):
+    def __init__(self, lm_head_rows: torch.Tensor | None, softcap: float | None, draft_vocab_size: int,
+                 d2t: torch.Tensor | None = None):
         self.rows = lm_head_rows
         self.softcap = softcap or None
         self.draft_vocab_size = draft_vocab_size
+        self.d2t = d2t  # the draft vocabulary the teacher was stored for (training checks it against its own)
 
     @classmethod
     def load(cls, features_dir: str | Path, device: str | torch.device = "cpu") -> "Teacher":
@@ -256,8 +258,9 @@ class Teacher:
         with safe_open(str(path), "pt") as fh:
             meta = fh.metadata() or {}
             rows = fh.get_tensor("lm_head_rows").to(device) if "lm_head_rows" in fh.keys() else None
+            d2t = fh.get_tensor("d2t") if "d2t" in fh.keys() else None
         softcap = float(meta["softcap"]) if meta.get("softcap") not in (None, "", "none") else None
-        return cls(rows, softcap, int(meta["draft_vocab_size"]))
+        return cls(rows, softcap, int(meta["draft_vocab_size"]), d2t)
 
     def to(self, device) -> "Teacher":
         if self.rows is not None:
@@ -384,15 +387,20 @@ class FeatureDataset(torch.utils.data.Dataset):
 
 
 def verify_shards(features_dir: Path, shards: list[dict], checksum: bool = True) -> None:
-    """Raise FeatureStoreError naming the first shard that is missing, truncated or (checksum) altered."""
+    """Raise FeatureStoreError naming the first shard that is missing, truncated or altered.
+
+    checksum=False is the cheap check for every read: sizes always, and the sha256 of any shard whose
+    modification time is not the one recorded when it was written (same size, other bytes is caught too).
+    """
     for entry in shards:
         path = Path(features_dir) / entry["file"]
         if not path.exists():
             raise FeatureStoreError(f"shard {path} is missing. Fix: rerun `eyas collect <recipe>` (it resumes)")
-        if path.stat().st_size != entry["bytes"]:
-            raise FeatureStoreError(f"shard {path} has {path.stat().st_size} bytes, {INDEX} says {entry['bytes']} "
+        stat = path.stat()
+        if stat.st_size != entry["bytes"]:
+            raise FeatureStoreError(f"shard {path} has {stat.st_size} bytes, {INDEX} says {entry['bytes']} "
                                     f"(truncated or replaced). Fix: delete it and rerun `eyas collect <recipe>`")
-        if checksum and sha256_path(path) != entry["sha256"]:
+        if (checksum or stat.st_mtime_ns != entry.get("mtime_ns")) and sha256_path(path) != entry["sha256"]:
             raise FeatureStoreError(f"shard {path} is corrupt: sha256 differs from {INDEX}. "
                                     f"Fix: delete it and rerun `eyas collect <recipe>`")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -181,8 +182,14 @@ def test_checksum_catches_a_corrupt_shard_and_names_it(tmp_path, tiny_target):
     victim = features / index["splits"]["train"]["shards"][1]["file"]
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF  # same size, one byte flipped in the tensor data
+    stat = victim.stat()
     victim.write_bytes(bytes(data))
-    FeatureDataset(features, "train")  # the cheap size check cannot see a flipped byte
+    # Rewritten in place: its modification time differs from the one recorded, so every read checksums it.
+    with pytest.raises(FeatureStoreError, match=f"shard {victim}.*corrupt"):
+        FeatureDataset(features, "train")
+    # Only a shard that looks untouched (same size and write time) skips the checksum on an ordinary read.
+    os.utime(victim, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    FeatureDataset(features, "train")
     with pytest.raises(FeatureStoreError, match=f"shard {victim}.*corrupt"):
         FeatureDataset(features, "train", verify=True)
     victim.write_bytes(bytes(data[:-10]))
@@ -240,7 +247,11 @@ def test_resume_recollects_a_shard_whose_checksum_fails(tmp_path, tiny_target, m
     monkeypatch.setattr(collect, "write_shard", lambda p, t: (written.append(p), real_write(p, t))[1])
     run_collect(recipe)
     assert written == [victim]
-    assert json.loads((features / "index.json").read_text())["splits"] == before["splits"]
+
+    def content(index):  # the shards' content; the recollected one has a new write time
+        return {split: [{k: v for k, v in shard.items() if k != "mtime_ns"} for shard in entry["shards"]]
+                for split, entry in index["splits"].items()}
+    assert content(json.loads((features / "index.json").read_text())) == content(before)
 
 
 def test_refuses_when_the_disk_cannot_hold_the_store(tmp_path, tiny_target, monkeypatch, capsys):

@@ -173,3 +173,19 @@ def test_features_of_other_aux_layers_are_refused_naming_the_file_and_field(pipe
     recipe["target"] = dict(recipe["target"], aux_layer_ids=[1, 2, 3])
     with pytest.raises(TrainingError, match=r"index\.json: field 'aux_layer_ids' is \[0, 1, 2\]"):
         train_in_process(recipe)
+
+
+def test_features_of_another_draft_vocabulary_of_the_same_size_are_refused(pipeline, tmp_path):
+    """The vocab stage was redone (same size, other tokens) but the store was not: its teacher is indexed
+    by the old draft ids, so training on it would learn the wrong tokens."""
+    from eyas.data.vocab import build_mapping, save_vocab
+
+    recipe = fresh_run(pipeline, tmp_path)
+    vocab_dir = Path(recipe["output_dir"]) / "vocab"
+    d2t, t2d = load_vocab(vocab_dir)
+    kept = (torch.arange(len(d2t)) + d2t).tolist()
+    other = sorted(set(range(t2d.numel())) - set(kept))[:1] + kept[1:]  # one token swapped for an unseen one
+    save_vocab(vocab_dir / "vocab.safetensors", *build_mapping(torch.tensor(other), t2d.numel()))
+    with pytest.raises(TrainingError, match=r"teacher\.safetensors: field 'd2t' differs from the vocab stage's "
+                                            r"\(\d+ of \d+ draft ids map elsewhere\)"):
+        train_in_process(recipe)

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from eyas.data.config import CollectConfig
-from eyas.data.features import INDEX, SPLITS, FeatureDataset, OnlineFeatures, PreparedRows, Teacher, collate, load_splits
+from eyas.data.features import INDEX, SPLITS, TEACHER, FeatureDataset, OnlineFeatures, PreparedRows, Teacher, collate, load_splits
 from eyas.data.targets import Target
 from eyas.train.loss import BatchTeacher
 
@@ -36,8 +36,8 @@ class Features:
         self.device = device
         if cfg.mode == "offline":
             self.datasets = {s: FeatureDataset(paths.features, s) for s in SPLITS}
-            check_store(paths.features, self.datasets["train"].meta, target, vocab)
             self.teacher = Teacher.load(paths.features, device)
+            check_store(paths.features, self.datasets["train"].meta, self.teacher, target, vocab)
             self.online = None
         elif cfg.mode == "online":
             self.online = OnlineFeatures(target.load_model(device), vocab, cfg, target.aux_layer_ids)
@@ -56,7 +56,7 @@ class Features:
         return self(collate([self.datasets[split][i] for i in rows]))
 
 
-def check_store(features_dir: Path, meta: dict, target: Target, vocab) -> None:
+def check_store(features_dir: Path, meta: dict, teacher: Teacher, target: Target, vocab) -> None:
     """Refuse a feature store collected for another target, aux layers or draft vocabulary."""
     expected = {"aux_layer_ids": target.aux_layer_ids, "draft_vocab_size": int(vocab[0].numel()),
                 "target_hash": target.hash}
@@ -64,6 +64,12 @@ def check_store(features_dir: Path, meta: dict, target: Target, vocab) -> None:
         if field in meta and meta[field] != want:
             raise TrainingError(f"{features_dir / INDEX}: field '{field}' is {meta[field]!r}, this recipe "
                                 f"needs {want!r}. Fix: rerun `eyas collect <recipe>`")
+    # Same size is not the same vocabulary: the stored teacher is indexed by the draft ids it was built with.
+    if teacher.d2t is None or not torch.equal(teacher.d2t.cpu(), vocab[0].cpu()):
+        differ = "no d2t" if teacher.d2t is None else \
+            f"{int((teacher.d2t.cpu() != vocab[0].cpu()).sum())} of {vocab[0].numel()} draft ids map elsewhere"
+        raise TrainingError(f"{features_dir / TEACHER}: field 'd2t' differs from the vocab stage's ({differ}): "
+                            "the store was collected with another draft vocabulary. Fix: rerun `eyas collect <recipe>`")
 
 
 class Plan:
