@@ -15,6 +15,8 @@ import torch
 
 from conftest import tiny_target
 from eyas.eval import sampling
+from eyas.eval import sampling_check as check
+from eyas.eval.sampling_check import null_tv_threshold, tv
 from eyas.eval.config import DecoderConfig
 from eyas.eval.decoder import PlainDecoder, SpeculativeDecoder
 from test_decoder_lossless import new_head, tokenizer  # noqa: F401 (fixtures)
@@ -36,38 +38,12 @@ def setup():
 
 
 def exact_tokens_2_3(model, prompt, cfg: DecoderConfig) -> np.ndarray:
-    """P(token2, token3) [V,V], marginalising token 1, from the target's warped distributions."""
-    warp = lambda logits: sampling.warp_probs(logits, cfg.temperature, cfg.top_k, cfg.top_p).double()
-    pairs = torch.cartesian_prod(torch.arange(VOCAB), torch.arange(VOCAB))  # (x1, x2)
-    seqs = torch.cat([prompt.expand(len(pairs), -1), pairs], 1)
-    with torch.no_grad():
-        logits = model(seqs).logits
-    t = prompt.shape[1]
-    p1 = warp(logits[0, t - 1])  # [V]
-    p2 = warp(logits[:, t]).view(VOCAB, VOCAB, VOCAB)[:, 0]  # [x1, x2]; any x2 row sees only x1
-    p3 = warp(logits[:, t + 1]).view(VOCAB, VOCAB, VOCAB)  # [x1, x2, x3]
-    return torch.einsum("a,ab,abc->bc", p1, p2, p3).numpy()
+    return check.exact_tokens_2_3(model, prompt, cfg, VOCAB)
 
 
 def sampled_tokens_2_3(decoder, prompt, n: int) -> np.ndarray:
     decoder.eos_ids = set()  # every draw has three tokens
-    counts = np.zeros((VOCAB, VOCAB))
-    for _ in range(n):
-        tokens = decoder.generate(prompt).tokens
-        counts[tokens[1], tokens[2]] += 1
-    return counts / n
-
-
-def null_tv_threshold(exact: np.ndarray, n: int, quantile: float = 0.999) -> float:
-    """Total variation that an exact sampler exceeds with probability 1 - quantile at n samples."""
-    rng = np.random.default_rng(0)
-    p = exact.ravel() / exact.sum()
-    draws = rng.multinomial(n, p, size=4000) / n
-    return float(np.quantile(0.5 * np.abs(draws - p).sum(1), quantile))
-
-
-def tv(a: np.ndarray, b: np.ndarray) -> float:
-    return 0.5 * float(np.abs(a - b).sum())
+    return check.sampled_tokens_2_3(decoder, prompt, n, VOCAB)
 
 
 CONFIGS = {
