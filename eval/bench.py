@@ -24,12 +24,21 @@ figures again per category under `by_category`):
     cost_model           verify/draft/other cost per step relative to a plain step, and the speedup that
                          1 + K * alpha tokens per step at those costs predict (and the classic independent-
                          acceptance estimate, predicted_speedup_independent)
+    noise                the machine's load average before/after (os.getloadavg), its CPUs, the spread of plain
+                         decoding's ms/token across prompts; trustworthy false, with one warning line each, when
+                         others' load exceeds LOAD_PER_CORE, the spread SPREAD_CV, or the layout timing stayed
+                         inconsistent (also on stderr and at the top of summary.md)
+    target.matches_head  whether the head's recorded target hash is this target's (a head trained against
+                         other weights is refused unless allow_other_target; then false, and said everywhere)
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +51,7 @@ from eyas.eval.aggregate import PromptResult, by_category, per_prompt_rows, summ
 from eyas.eval.config import BenchConfig, DecoderConfig
 from eyas.eval.report import REPORT_FILE, make_report, print_summary, write_plots, write_report, write_summary
 from eyas.eval.timing import timed
-from eyas.heads.checkpoint import head_content_hash, load_head
+from eyas.heads.checkpoint import HeadMismatchError, head_content_hash, load_head
 
 DEFAULT_CATEGORY = "uncategorized"
 
@@ -231,6 +240,54 @@ def tune_kernels(bench: BenchConfig, model, head) -> list[dict]:
     return table
 
 
+# ---- how far the timings can be trusted ----------------------------------------------------------
+
+LOAD_PER_CORE = 0.5  # load average of other processes per core above which timings are doubtful
+SPREAD_CV = 0.25  # plain decoding's ms/token varying more than this across prompts is noise, not prompts
+
+
+def load_average() -> tuple[float, float, float] | None:
+    try:
+        return tuple(os.getloadavg())
+    except (OSError, AttributeError):  # a platform without it
+        return None
+
+
+def measurement_noise(load_before, load_after, cpus: int, bench_threads: int, plain_s_per_token: Sequence[float],
+                      layout_warnings: Sequence[str] = ()) -> dict:
+    """The report's `noise`: the machine's load around the bench, the run-to-run spread of plain decoding, and
+    whether (with the layout tuning's own doubts) they leave the timings trustworthy."""
+    other = None
+    if load_before is not None and load_after is not None:
+        # Before the bench, the 1-minute load average is other processes; after it, it also counts the bench's
+        # own threads (fully once it ran a minute), so those are taken off.
+        other = max(load_before[0], load_after[0] - bench_threads) / max(cpus, 1)
+    ms = [1e3 * s for s in plain_s_per_token]
+    cv = statistics.pstdev(ms) / statistics.mean(ms) if len(ms) > 1 and statistics.mean(ms) > 0 else None
+    warnings = []
+    if other is not None and other > LOAD_PER_CORE:
+        warnings.append(f"the load average beyond the bench itself was {other:.2f} per core ({cpus} CPUs; 1-minute "
+                        f"load {load_before[0]:.2f} before, {load_after[0]:.2f} after): other processes competed "
+                        "for the CPUs")
+    if cv is not None and cv > SPREAD_CV:
+        warnings.append(f"plain decoding's ms per token spread {cv:.0%} across prompts (coefficient of variation; "
+                        f"a steady machine stays under {SPREAD_CV:.0%})")
+    warnings += [f"matmul layout timing: {w}" for w in layout_warnings]
+    return {"cpus": cpus, "bench_threads": bench_threads, "load_before": list(load_before) if load_before else None,
+            "load_after": list(load_after) if load_after else None, "other_load_per_core": other,
+            "plain_ms_per_token_cv": cv, "trustworthy": not warnings, "warnings": warnings}
+
+
+def plain_seconds_per_token(results: Sequence[PromptResult]) -> list[float]:
+    """Plain decoding's time per token after the first, per prompt: the same work each time, so its spread is noise."""
+    out = []
+    for r in results:
+        s = r.stats["plain"]
+        if len(s.tokens) > 1:
+            out.append((r.wall_s["plain"] - s.ttft_s) / (len(s.tokens) - 1))
+    return out
+
+
 def measure(model, head, tokenizer, bench: BenchConfig, all_prompts: list[BenchPrompt], k_alpha: int
             ) -> tuple[list[PromptResult], DecoderConfig, dict | None]:
     """(one result per measured prompt, the decoder measured, the autotune table or None)."""
@@ -266,13 +323,31 @@ def measure(model, head, tokenizer, bench: BenchConfig, all_prompts: list[BenchP
 
 # ---- the stage --------------------------------------------------------------------------------------
 
+def check_target_weights(head_dir: Path, meta: dict, target: Target, allow_other_target: bool) -> bool | None:
+    """Whether the head was trained against this target's weights (None: it records no target hash).
+
+    Other weights are refused (its drafts would be measured against a model it never saw), or with
+    `allow_other_target` said loudly on stderr and marked in the report."""
+    recorded = meta.get("target_hash")
+    if not recorded or recorded == target.hash:
+        return None if not recorded else True
+    message = (f"{head_dir}: head was trained against target weights {recorded[:12]} ({meta.get('target', '?')}), "
+               f"{target.name} has {target.hash[:12]}: other weights than the head was trained against")
+    if not allow_other_target:
+        raise HeadMismatchError(f"{message}; acceptance would say nothing about the head (to measure it there "
+                                "anyway, allow it: --allow-other-target)")
+    print(f"eyas bench: WARNING: {message}; measuring anyway, and the report is marked", file=sys.stderr)
+    return False
+
+
 def bench(cfg: BenchConfig, target: Target, head_dir: Path, prompts_path: Path, out: Path,
-          k_alpha: int) -> dict | None:
+          k_alpha: int, allow_other_target: bool = False) -> dict | None:
     """Benchmark the head in `head_dir` against plain decoding of `target` on the prompts of `prompts_path`,
     alpha at chain length `k_alpha`; writes report.json, summary.md and plots into `out`.
 
     Everything that can be refused without the model is checked before it loads: the prompts file, the
-    decoder settings, the head against the target's tokenizer and vocabulary.
+    decoder settings, the head against the target's tokenizer, vocabulary and weights (other weights only
+    with `allow_other_target`, and marked in the report).
     """
     from eyas.eval.decoder import check_decoder_config
 
@@ -280,11 +355,18 @@ def bench(cfg: BenchConfig, target: Target, head_dir: Path, prompts_path: Path, 
     all_prompts = read_prompts(prompts_path)
     check_decoder_config(cfg.decoder)
     head_hash = head_content_hash(head_dir)  # before loading: the hash names what was read
-    head, _ = load_head(head_dir, tokenizer=target.tokenizer, target_vocab_size=target.vocab_size)
+    head, meta = load_head(head_dir, tokenizer=target.tokenizer, target_vocab_size=target.vocab_size)
+    matches_head = check_target_weights(head_dir, meta, target, allow_other_target)
+    load_before = load_average()  # before the model loads: what else runs on this machine
     model = target.load_model()
     head = head.to(device=model.device, dtype=model.dtype).eval().requires_grad_(False)
     kernel_table = tune_kernels(cfg, model, head)
     results, decoder, tune_table = measure(model, head, target.tokenizer, cfg, all_prompts, k_alpha)
+    noise = measurement_noise(load_before, load_average(), os.cpu_count() or 1, torch.get_num_threads(),
+                              plain_seconds_per_token(results),
+                              [f"{t['note']} at {t['rows']} row(s)" for t in kernel_table if not t["consistent"]])
+    for warning in noise["warnings"]:
+        print(f"eyas bench: WARNING: {warning}; the figures are marked untrustworthy", file=sys.stderr)
 
     greedy = decoder.temperature == 0
     figures = summarize(results, greedy, k_alpha)
@@ -305,7 +387,9 @@ def bench(cfg: BenchConfig, target: Target, head_dir: Path, prompts_path: Path, 
         "autotune": tune_table,
         "bench": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "decoder"},
         "head": {"path": str(head_dir.resolve()), "sha256": head_hash},
-        "target": {"name": target.name, "sha256": target.hash, "tokenizer_sha256": target.tokenizer_hash},
+        "target": {"name": target.name, "sha256": target.hash, "tokenizer_sha256": target.tokenizer_hash,
+                   "matches_head": matches_head, "head_target_sha256": meta.get("target_hash")},
+        "noise": noise,
         "prompts_file": str(Path(prompts_path).resolve()),
         "environment": {"device": str(device), "dtype": dtype, "torch": torch.__version__,
                         "threads": torch.get_num_threads(), "linear_kernels": kernel_table,

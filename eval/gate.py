@@ -2,7 +2,8 @@
 
 Checks (a threshold left unset is skipped): alpha >= min_alpha, speedup >= min_speedup, p99 inter-token
 latency regression (spec p99 ITL / plain p99 ITL - 1) <= max_itl_p99_regression, and, where the report
-says exactness is expected (fp32 greedy), lossless output. Figures are pooled over all prompts, or blended
+says exactness is expected (fp32 greedy), lossless output; a report measured on other target weights than
+the head was trained against (`eyas bench` allowed to) always fails. Figures are pooled over all prompts, or blended
 over categories with traffic weights (every weighted category must be in the report), or checked in every
 category (`gate.per_category`). The verdict goes to gate.json beside the report, tied to the head's content
 hash and to the report's own hash, so a later edit of either voids it.
@@ -33,7 +34,7 @@ class GateError(ValueError):
 
 @dataclass
 class Check:
-    name: str  # alpha | speedup | itl_p99_regression | lossless | category
+    name: str  # alpha | speedup | itl_p99_regression | lossless | category | target
     scope: str  # pooled | blended | <category>
     value: float | bool | None
     threshold: str
@@ -123,6 +124,8 @@ def evaluate(report: dict, gate: GateConfig) -> list[Check]:
     if gate.per_category:
         for category, figures in sorted(report["by_category"].items()):
             checks += threshold_checks(figures, category, gate)
+    if report["target"]["matches_head"] is False:  # bench was allowed to measure on other weights
+        checks.append(Check("target", "pooled", "other weights", "the head's own target weights", False))
     if report.get("lossless_exact_expected"):
         checks.append(Check("lossless", "pooled", report.get("lossless"), "== True (fp32 greedy)",
                             report.get("lossless") is True))

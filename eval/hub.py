@@ -19,6 +19,7 @@ from eyas.eval.modelcard import build_card
 from eyas.eval.report import load_report
 from eyas.heads.checkpoint import WEIGHTS
 from eyas.heads.export import EXPORT_METADATA, validate_export
+from eyas.heads.verifier import verifier_warning
 
 PLOTS_DIR = "plots"
 
@@ -32,7 +33,7 @@ def read_export_info(export_dir: Path) -> dict:
     if not path.exists():
         raise FileNotFoundError(f"{export_dir}: no {EXPORT_METADATA}; push an `eyas export` directory")
     info = json.loads(path.read_text())
-    for key in ("format", "source_head_hash", "weights_sha256", "head_config", "settings"):
+    for key in ("format", "source_head_hash", "weights_sha256", "config_sha256", "head_config", "settings"):
         if key not in info:
             raise PushError(f"{path}: field '{key}' is missing; re-run `eyas export`")
     return info
@@ -117,9 +118,10 @@ def push(export_dir, repo_id: str, report=None, dry_run: bool = False, force: bo
     """Upload `export_dir` to `repo_id`; 0 on success (or dry run), 1 when the gate refuses."""
     export_dir = Path(export_dir)
     info = read_export_info(export_dir)
-    validate_export(export_dir)
-    if info.get("weights_sha256") != sha256_file(export_dir / WEIGHTS):
-        raise PushError(f"{export_dir / WEIGHTS} changed after `eyas export` wrote it; re-export the gated head")
+    validate_export(export_dir)  # names a config.json field that no longer matches the head
+    for name, key in ((WEIGHTS, "weights_sha256"), ("config.json", "config_sha256")):
+        if info[key] != sha256_file(export_dir / name):
+            raise PushError(f"{export_dir / name} changed after `eyas export` wrote it; re-export the gated head")
     report_path = Path(report) if report else Path(info["bench_report"]) if info.get("bench_report") else None
     if report_path is not None and not report_path.exists():
         if report:
@@ -130,6 +132,8 @@ def push(export_dir, repo_id: str, report=None, dry_run: bool = False, force: bo
     if not passed and not force:
         print(f"eyas push: refused: {reason}. Publish only gated heads, or pass --force (recorded in the card).")
         return 1
+    if warning := verifier_warning(info.get("verifier_check") or {}, info.get("trained_against")):
+        print(f"eyas push: warning: {warning}")
     if info.get("verifier") and Path(info["verifier"]).expanduser().exists():
         print(f"eyas push: warning: the export names a local verifier path ({info['verifier']}); "
               "re-export with --verifier <Hub id> so others can load it")

@@ -14,7 +14,9 @@ model with itself. On CUDA nothing is installed (cuBLAS has no such cliff).
 
 from __future__ import annotations
 
+import statistics
 import time
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -59,23 +61,62 @@ def _time_layout(layers: list[nn.Linear], rows: int, use_mm: bool) -> float:
     return time.perf_counter() - start
 
 
+CURVE_FACTOR = 2.0  # a time above this many times another of the same point, or of more rows, is noise
+
+
+def _suspicious(times: dict, row_counts) -> list[int]:
+    """Row counts whose timings cannot be right: a median above CURVE_FACTOR times the fastest repeat (half
+    the repeats were slowed down), or above CURVE_FACTOR times the same layout's median at a larger row
+    count (more rows never cost much less)."""
+    medians = {k: statistics.median(v) for k, v in times.items()}
+    bad = []
+    for i, r in enumerate(row_counts):
+        for mm in (False, True):
+            samples, later = times[(r, mm)], [medians[(s, mm)] for s in row_counts[i + 1:]]
+            median = medians[(r, mm)]
+            if median > CURVE_FACTOR * min(samples) or (later and median > CURVE_FACTOR * min(later)):
+                bad.append(r)
+                break
+    return bad
+
+
 def tune_linear_kernels(*models: nn.Module, row_counts=ROW_COUNTS, repeats: int = 3) -> list[dict]:
     """Time both layouts over all linear layers of `models` per row count, install the faster one per
-    row count (a row count between two measured ones follows the smaller), and return the table."""
+    row count (a row count between two measured ones follows the smaller), and return the table.
+
+    A loaded machine makes some timings wrong: row counts whose times cannot be right (see `_suspicious`)
+    are timed again, twice as often; where they still are, the stock F.linear stays and a warning says so."""
     layers = [m for model in models for m in linear_modules(model)]
     if not layers or layers[0].weight.device.type != "cpu":
         return []
     times = {(r, mm): [] for r in row_counts for mm in (False, True)}
-    for _ in range(repeats):  # interleaved, so drift in machine load hits both layouts alike
-        for r in row_counts:
-            for mm in (False, True):
-                times[(r, mm)].append(_time_layout(layers, r, mm))
+
+    def measure(rows, n):
+        for _ in range(n):  # interleaved, so drift in machine load hits both layouts alike
+            for r in rows:
+                for mm in (False, True):
+                    times[(r, mm)].append(_time_layout(layers, r, mm))
+
+    measure(row_counts, repeats)
+    remeasured = _suspicious(times, row_counts)
+    for r in remeasured:
+        times[(r, False)], times[(r, True)] = [], []
+    measure(remeasured, 2 * repeats)
+    inconsistent = set(_suspicious(times, row_counts)) & set(remeasured)
     table, mm_rows = [], set()
     for i, r in enumerate(row_counts):
-        linear_s, mm_s = (sorted(times[(r, mm)])[len(times[(r, mm)]) // 2] for mm in (False, True))
-        use_mm = mm_s < 0.95 * linear_s  # a clear win only; ties keep the stock kernel
-        table.append({"rows": r, "linear_ms": round(1e3 * linear_s, 2), "mm_ms": round(1e3 * mm_s, 2),
-                      "layout": "mm" if use_mm else "linear"})
+        linear_s, mm_s = (statistics.median(times[(r, mm)]) for mm in (False, True))
+        # a clear win only; ties, and timings that stayed inconsistent, keep the stock kernel
+        use_mm = mm_s < 0.95 * linear_s and r not in inconsistent
+        row = {"rows": r, "linear_ms": round(1e3 * linear_s, 2), "mm_ms": round(1e3 * mm_s, 2),
+               "layout": "mm" if use_mm else "linear", "remeasured": r in remeasured,
+               "consistent": r not in inconsistent}
+        if r in inconsistent:
+            row["note"] = "timings stayed inconsistent after re-measuring; kept F.linear"
+            warnings.warn(f"matmul layout timings at {r} rows stay inconsistent after re-measuring (F.linear "
+                          f"{row['linear_ms']} ms, (W@x.T).T {row['mm_ms']} ms): the machine is probably loaded; "
+                          "kept F.linear there")
+        table.append(row)
         if use_mm:
             upper = row_counts[i + 1] if i + 1 < len(row_counts) else r + 1
             mm_rows.update(range(r, upper))
@@ -102,5 +143,6 @@ def remove_linear_kernels(*models: nn.Module) -> None:
 
 def format_kernel_table(table: list[dict]) -> str:
     lines = ["rows  F.linear ms  (W@x.T).T ms  layout"]
-    lines += [f"{t['rows']:>4}  {t['linear_ms']:>11.1f}  {t['mm_ms']:>12.1f}  {t['layout']}" for t in table]
+    lines += [f"{t['rows']:>4}  {t['linear_ms']:>11.1f}  {t['mm_ms']:>12.1f}  {t['layout']}"
+              + ("" if t["consistent"] else f"  ({t['note']})") for t in table]
     return "\n".join(lines)

@@ -11,7 +11,8 @@ from pathlib import Path
 import yaml
 
 from eyas.data.targets import DEFAULT_TARGETS
-from eyas.heads.export import local_target_dir, serving_markdown
+from eyas.heads.serving import serving_markdown
+from eyas.heads.verifier import local_target_dir, weights_lines
 
 
 def base_model_id(info: dict) -> str | None:
@@ -80,6 +81,11 @@ def measurements_section(report: dict | None) -> list[str]:
              "tau = 1 + accepted / drafts, pooled; speedup = speculative / plain tokens per second, same process.", ""]
     if env["device"] == "cpu":
         lines += ["Timings were taken on a CPU and are indicative only; measure on your serving hardware.", ""]
+    if report["target"]["matches_head"] is False:
+        lines += ["**Measured on other target weights than the head was trained against** (`eyas bench` was "
+                  "allowed to): these figures are not the head's on its own target.", ""]
+    if report["noise"]["trustworthy"] is False:
+        lines += ["**The timings are untrustworthy:**", ""] + [f"- {w}" for w in report["noise"]["warnings"]] + [""]
     header = "| scope | " + " | ".join(title for _, title in FIGURES) + " |"
     lines += [header, "|" + "---|" * (len(FIGURES) + 1)]
     rows = [("all prompts", report)] + sorted(report["by_category"].items())
@@ -121,8 +127,8 @@ def build_card(info: dict, report: dict | None, gate: dict | None, gate_passed: 
              f"decoding of `{target}` in vLLM and SGLang. Draft vocabulary {c['draft_vocab_size']} of "
              f"{c['vocab_size']} target tokens; target features from layers {c['aux_layer_ids']} "
              "(the residual stream entering each layer).", ""]
-    if note := getattr(DEFAULT_TARGETS.get(info.get("target")), "note", None):
-        lines += [note, ""]
+    if weights := weights_lines(info):  # which weights the head learnt; whether the verifier is those
+        lines += ["## Target weights", ""] + weights
     lines += measurements_section(report)
     lines += gate_section(gate, gate_passed, forced, reason)
     if plots:

@@ -12,7 +12,14 @@ Fields every reader may rely on (bench writes many more: latencies, cost model, 
     alpha_per_position, alpha_chain_length (K at which alpha is measured), lossless_exact_expected
     decoder               mode, num_speculative_tokens, depth, topk, budget (the shape that was measured)
     head                  path, sha256 (content hash of its model.safetensors)
-    target                name, sha256;  environment: device, dtype
+    target                name, sha256, matches_head (the head's recorded target hash is this target's;
+                          null when the head records none; false only when bench was allowed to go on)
+    environment           device, dtype
+    noise                 trustworthy (false: load or run-to-run spread make the timings doubtful; null:
+                          unknown), warnings (one line each); bench also records cpus, load_before/after
+                          (os.getloadavg), other_load_per_core and plain_ms_per_token_cv
+
+Version 1 reports (before `noise` and `target.matches_head`) still load: both are filled in as unknown.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from typing import Any, Callable
 
 from eyas.data.atomic import atomic_write, atomic_write_json, atomic_write_text
 
-REPORT_SCHEMA_VERSION = 1
+REPORT_SCHEMA_VERSION = 2
 REPORT_FILE = "report.json"
 
 
@@ -54,13 +61,14 @@ FIGURES = {"prompts": "an integer", "tau": "a number or null", "alpha": "a numbe
 FIELDS = {"schema_version": "an integer", **FIGURES, "alpha_per_position": "a list",
           "alpha_chain_length": "an integer", "lossless_exact_expected": "true or false",
           "by_category": "an object", "decoder": "an object", "head": "an object", "target": "an object",
-          "environment": "an object"}
+          "environment": "an object", "noise": "an object"}
 SECTIONS = {
     "decoder": {"mode": "a string", "num_speculative_tokens": "an integer", "depth": "an integer",
                 "topk": "an integer", "budget": "an integer"},
     "head": {"path": "a string", "sha256": "a string"},
-    "target": {"name": "a string", "sha256": "a string"},
+    "target": {"name": "a string", "sha256": "a string", "matches_head": "true, false or null"},
     "environment": {"device": "a string", "dtype": "a string"},
+    "noise": {"trustworthy": "true, false or null", "warnings": "a list"},
 }
 
 
@@ -82,7 +90,7 @@ def check_report(report: Any, where: str = "bench report") -> None:
                           "one written before reports were versioned (re-run `eyas bench`)")
     if version != REPORT_SCHEMA_VERSION:
         raise ReportError(f"{where}: field 'schema_version' is {version!r}, this eyas reads version "
-                          f"{REPORT_SCHEMA_VERSION} (re-run `eyas bench`)")
+                          f"{REPORT_SCHEMA_VERSION} (and version 1, upgraded on load; re-run `eyas bench`)")
     _check_fields(where, report, FIELDS)
     for section, fields in SECTIONS.items():
         _check_fields(where, report[section], fields, prefix=f"{section}.")
@@ -113,7 +121,18 @@ def load_report(path: str | Path) -> dict:
         report = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ReportError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
-    check_report(report, str(path))
+    check_report(upgrade(report), str(path))
+    return report
+
+
+def upgrade(report: Any) -> Any:
+    """A version 1 report as version 2: its machine load and whether its target was the head's are unknown."""
+    if isinstance(report, dict) and report.get("schema_version") == 1:
+        report["schema_version"] = REPORT_SCHEMA_VERSION
+        report.setdefault("noise", {"trustworthy": None, "warnings": [
+            "measured before eyas recorded machine load and run-to-run spread (report schema 1)"]})
+        if isinstance(report.get("target"), dict):
+            report["target"].setdefault("matches_head", None)
     return report
 
 
@@ -122,9 +141,9 @@ def serving_settings(report_path: str | Path | None, num_speculative_tokens: int
 
     K is the report's alpha_chain_length (the chain length measured for serving) unless
     `num_speculative_tokens` overrides it; a tree decoder's depth, topk and budget carry over to
-    SGLang's flags. Without a report file: chain defaults (heads.export.decoding_settings).
+    SGLang's flags. Without a report file: chain defaults (heads.serving.decoding_settings).
     """
-    from eyas.heads.export import decoding_settings
+    from eyas.heads.serving import decoding_settings
 
     path = Path(report_path) if report_path else None
     if path is None or not path.exists():
@@ -158,8 +177,31 @@ def fmt(value, spec: str = ".3f", suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
 
+def warning_lines(report: dict) -> list[str]:
+    """What makes the figures not the head's on its target, or doubtful (markdown lines): said first in every
+    summary."""
+    lines, target, noise = [], report["target"], report["noise"]
+    if target["matches_head"] is False:
+        lines += [f"**WARNING: measured on other weights than the head was trained against** (this target "
+                  f"{target['sha256'][:12]}, the head's {str(target.get('head_target_sha256'))[:12]}): acceptance "
+                  "and speedup are not the head's on its own target.", ""]
+    if noise["trustworthy"] is False:
+        lines += ["**WARNING: these figures are untrustworthy:**", ""] + [f"- {w}" for w in noise["warnings"]] + [""]
+    return lines
+
+
+def machine_line(report: dict) -> str:
+    noise = report["noise"]
+    load = "load average unknown" if not noise.get("load_before") else (
+        f"1-minute load average {noise['load_before'][0]:.2f} before and {noise['load_after'][0]:.2f} after "
+        f"(beyond the bench: {fmt(noise.get('other_load_per_core'), '.2f')} per core)")
+    return (f"{noise.get('cpus', '?')} CPUs, bench threads: {noise.get('bench_threads', '?')}, {load}; plain "
+            f"decoding's ms/token varied {fmt(noise.get('plain_ms_per_token_cv'), '.1%')} across prompts (CV).")
+
+
 def summary_rows(report: dict) -> list[tuple[str, str]]:
     itl, ttft = report["itl_ms"], report["ttft_ms"]
+    doubtful = " UNTRUSTWORTHY (see warnings)" if report["noise"]["trustworthy"] is False else ""
     return [
         ("prompts", str(report["prompts"])),
         ("tau (pooled, 1 + accepted/drafts)", fmt(report["tau"])),
@@ -169,7 +211,7 @@ def summary_rows(report: dict) -> list[tuple[str, str]]:
         ("speculative tokens/s", fmt(report["spec_tokens_per_s"], ".1f")),
         ("speedup vs plain decoding", fmt(report["speedup"], ".2f", "x") + (
             f" (95% CI over prompts {report['speedup_ci95'][0]:.2f}-{report['speedup_ci95'][1]:.2f}x)"
-            if report.get("speedup_ci95") else "")),
+            if report.get("speedup_ci95") else "") + doubtful),
         ("speedup vs HF generate()", fmt(report.get("speedup_vs_hf_generate"), ".2f", "x")),
         ("speedup vs prompt lookup", fmt(report.get("speedup_vs_prompt_lookup"), ".2f", "x")),
         ("predicted speedup (alpha, K, costs)", fmt(report.get("cost_model", {}).get("predicted_speedup"), ".2f", "x")),
@@ -208,6 +250,7 @@ def format_summary(report: dict) -> str:
     width = max(len(k) for k, _ in summary_rows(report))
     lines = [f"eyas bench: {report['head']['path']} on {report['target']['name']} "
              f"({report['environment']['device']}, {report['environment']['dtype']}, mode {report['decoder']['mode']})"]
+    lines += [f"  {w.replace('**', '')}" for w in warning_lines(report) if w]
     lines += [f"  {k:<{width}}  {v}" for k, v in summary_rows(report)]
     if len(report["by_category"]) > 1:
         lines.append("  per category:")
@@ -229,8 +272,9 @@ def write_summary(report: dict, path: str | Path) -> Path:
         f"`{report['decoder']['mode']}`, {report['prompts']} prompts, "
         f"max {report['decoder']['max_new_tokens']} new tokens, temperature {report['decoder']['temperature']}.",
         "",
-        "| figure | value |", "|---|---|",
     ]
+    lines += warning_lines(report)
+    lines += ["| figure | value |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in summary_rows(report)]
     lines += ["", "## Per category", ""] + category_table(report)
     lines += ["", "## Where the time goes", ""] + time_split_table(report)
@@ -242,6 +286,7 @@ def write_summary(report: dict, path: str | Path) -> Path:
                   f"(measured chain: {fmt(report.get('chain_speedup'), '.2f', 'x')}; with free drafting and verify "
                   f"as cheap as a plain step: {cost['predicted_speedup_free_draft']:.2f}x)."]
     lines += ["", f"Lossless: {report['lossless']}. {report.get('lossless_note', '')}", ""]
+    lines += ["## Machine", "", machine_line(report), ""]
     lines += [f"![{p}]({p})" for p in report.get("plots", [])]
     return atomic_write_text(path, "\n".join(lines) + "\n")
 

@@ -30,7 +30,7 @@ def _run_stage(args, **options):
 
 
 def cmd_bench(args):
-    _run_stage(args, head=args.head, prompts=args.prompts)
+    _run_stage(args, head=args.head, prompts=args.prompts, allow_other_target=args.allow_other_target)
 
 
 def gate_thresholds(args):
@@ -63,7 +63,8 @@ def cmd_export(args):
     settings = serving_settings(args.report, args.num_speculative_tokens)
     for fmt in args.format:
         out = args.out if len(args.format) == 1 else f"{args.out}/{fmt}"
-        print(export_head(args.head, fmt, out, dtype=args.dtype, settings=settings, verifier=args.verifier))
+        print(export_head(args.head, fmt, out, dtype=args.dtype, settings=settings, verifier=args.verifier,
+                          force_verifier=args.force_verifier))
 
 
 def cmd_push(args):
@@ -123,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_recipe(p)
     p.add_argument("--head", default=None, help="head directory (default: the recipe's best head)")
     p.add_argument("--prompts", default=None, help="JSONL prompts file (default: held-out prompts)")
+    p.add_argument("--allow-other-target", action="store_true",
+                   help="measure even when the target's weights are not those the head was trained against "
+                        "(warned, and marked in the report; the gate fails it)")
     p.set_defaults(fn=cmd_bench)
 
     p = sub.add_parser("gate", help="fail (exit 1) when a bench report misses the release thresholds")
@@ -142,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--num-speculative-tokens", type=int, default=None)
     p.add_argument("--verifier", default=None, help="target path or Hub id written as the verifier")
+    p.add_argument("--force-verifier", action="store_true",
+                   help="write a verifier whose vocabulary, tokenizer or weights differ from the head's target "
+                        "(recorded in the export and its model card)")
     p.set_defaults(fn=cmd_export)
 
     p = sub.add_parser("push", help="upload an export to the Hub with a model card (needs a passing gate)")

@@ -70,22 +70,24 @@ def alpha_chain_length(recipe: Recipe) -> int:
 
 
 def _bench(recipe: Recipe, target: Target, out: Path, head: str | None = None, prompts: str | None = None,
-           **_) -> dict | None:
+           allow_other_target: bool = False, **_) -> dict | None:
     from eyas.eval.bench import bench
 
     return bench(recipe.bench, target, bench_head_dir(recipe, head), bench_prompts_path(recipe, prompts), out,
-                 alpha_chain_length(recipe))
+                 alpha_chain_length(recipe), allow_other_target=allow_other_target)
 
 
-def _bench_inputs(recipe: Recipe, head: str | None = None, prompts: str | None = None) -> dict:
+def _bench_inputs(recipe: Recipe, head: str | None = None, prompts: str | None = None,
+                  allow_other_target: bool = False) -> dict:
     from eyas.data.packages import sha256_file
     from eyas.heads.checkpoint import head_content_hash
 
     prompts_path = bench_prompts_path(recipe, prompts)
     if not prompts_path.is_file():
         raise FileNotFoundError(f"bench prompts {prompts_path} do not exist (run `eyas prepare` or set bench.prompts)")
+    # A run allowed on other target weights is marked so; it never stands in for a normal run.
     return {"head": head_content_hash(bench_head_dir(recipe, head)), "prompts": sha256_file(prompts_path),
-            "k": alpha_chain_length(recipe)}
+            "k": alpha_chain_length(recipe), "allow_other_target": allow_other_target}
 
 
 def _gate(recipe: Recipe, target: Target | None, out: Path, **_) -> int:

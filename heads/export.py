@@ -3,13 +3,17 @@
     sglang | vllm    config.json (Llama config, midlayer.* weights)   one directory that both engines load
     speculators      config.json (speculators_config, layers.0.*)     `vllm serve DIR` or speculators.from_pretrained
 
-Every export also holds model.safetensors, eyas_export.json (source head hash, bench report, settings),
-SERVING.md and README.md (the serving commands). Before anything is written, the tensors are checked
-against what the engine's loader allocates from the config.json being written: SGLang silently skips
-names it does not know and would serve random weights, so an unknown or missing name is an error.
+Every export also holds model.safetensors, eyas_export.json (source head hash, bench report, settings, the
+weights the head was trained against, the verifier check, sha256 of config.json and of the weights),
+SERVING.md and README.md (the serving commands, with no path of this machine). Before anything is
+written, the verifier is checked against the head's record (heads/verifier.py) and the tensors against
+what the engine's loader allocates from the config.json being written: SGLang silently skips names it
+does not know and would serve random weights, so an unknown or missing name is an error. Reading an
+export back checks its config.json against the head eyas_export.json records, naming an edited field.
 
-The serving settings (chain length K, a tree's shape) come in as a dict from `decoding_settings`; the
-bench report they are usually taken from is read on the eval side (eval/report.py `serving_settings`).
+The serving settings (chain length K, a tree's shape) come in as a dict from `decoding_settings`
+(heads/serving.py); the bench report they are usually taken from is read on the eval side
+(eval/report.py `serving_settings`).
 """
 
 from __future__ import annotations
@@ -24,16 +28,17 @@ from safetensors.torch import save_file
 
 from eyas.data.atomic import atomic_dir_write
 from eyas.data.config import TargetConfig
-from eyas.data.packages import cache_root, sha256_file
-from eyas.data.targets import DEFAULT_TARGETS, MARKER, Target
+from eyas.data.packages import sha256_file
+from eyas.data.targets import DEFAULT_TARGETS, Target
 from eyas.heads.checkpoint import WEIGHTS, head_content_hash, load_head, serving_config
 from eyas.heads.eagle3 import Eagle3Config, Eagle3Head
+from eyas.heads.serving import THIS_FOLDER, decoding_settings, serving_markdown
+from eyas.heads.verifier import check_verifier, local_target_dir, resolve_verifier, trained_against, weights_lines
 
 FORMATS = ("sglang", "vllm", "speculators")
 EXPORT_METADATA = "eyas_export.json"
 SERVING_FILE = "SERVING.md"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-DEFAULT_NUM_SPECULATIVE_TOKENS = 4
 
 
 # Loaders accept these when present and fall back to the target's weights when absent; an Eagle3Head
@@ -204,79 +209,7 @@ def speculators_config(c: Eagle3Config, dtype: str, num_speculative_tokens: int,
     }
 
 
-# ---- serving settings and snippets ------------------------------------------------------------------
-
-def decoding_settings(num_speculative_tokens: int | None = None, mode: str = "chain", depth: int | None = None,
-                      topk: int = 1, budget: int | None = None, report: str | None = None) -> dict:
-    """What the serving snippets need: chain length K, and the tree shape SGLang takes (chain: depth K, topk 1).
-
-    `report` names the bench report the settings were measured in (None: defaults, said so in SERVING.md).
-    """
-    if mode not in ("chain", "tree"):
-        raise ValueError(f"decoder mode '{mode}' is not chain or tree")
-    k = int(num_speculative_tokens or DEFAULT_NUM_SPECULATIVE_TOKENS)
-    settings = {"mode": mode, "num_speculative_tokens": k, "from_report": report is not None, "report": report}
-    if mode == "tree":
-        depth, topk, budget = int(depth or k), int(topk), int(budget or k)
-        # SGLang counts the verified root token in num_draft_tokens and caps it at depth * topk + 1.
-        settings.update(depth=depth, topk=topk, num_draft_tokens=min(budget + 1, depth * topk + 1))
-    else:
-        settings.update(depth=k, topk=1, num_draft_tokens=k + 1)
-    return settings
-
-
-def serving_snippets(target: str, draft: str, settings: dict) -> dict[str, str]:
-    k = settings["num_speculative_tokens"]
-    spec = json.dumps({"method": "eagle3", "model": draft, "num_speculative_tokens": k})
-    return {
-        "vllm": f"vllm serve {target} --speculative-config '{spec}'",
-        "sglang": (f"python -m sglang.launch_server --model {target} --speculative-algorithm EAGLE3 "
-                   f"--speculative-draft-model-path {draft} --speculative-num-steps {settings['depth']} "
-                   f"--speculative-eagle-topk {settings['topk']} "
-                   f"--speculative-num-draft-tokens {settings['num_draft_tokens']}"),
-        "speculators": f"vllm serve {draft}",
-    }
-
-
-def serving_markdown(fmt: str, target: str, draft: str, settings: dict) -> str:
-    snippets = serving_snippets(target, draft, settings)
-    order = {"sglang": ["sglang", "vllm"], "vllm": ["vllm", "sglang"], "speculators": ["speculators", "vllm"]}[fmt]
-    titles = {"vllm": "vLLM", "sglang": "SGLang",
-              "speculators": "vLLM, speculators format (the verifier is read from config.json)"}
-    source = ("the best settings of the bench report" if settings.get("from_report")
-              else "default chain settings (no bench report given)")
-    lines = [f"Settings: {source}: mode {settings['mode']}, K={settings['num_speculative_tokens']}, "
-             f"depth {settings['depth']}, topk {settings['topk']}, draft tokens {settings['num_draft_tokens']}.", ""]
-    for name in order:
-        lines += [f"### {titles[name]}", "", "```bash", snippets[name], "```", ""]
-    return "\n".join(lines)
-
-
 # ---- export and load back ---------------------------------------------------------------------------
-
-def resolve_verifier(verifier: str | None, meta: dict) -> str | None:
-    """What engines should load as the target: a Hub id or a path, never an eyas-only short name."""
-    name = verifier or meta.get("target") or meta.get("target_name")
-    if name in DEFAULT_TARGETS and DEFAULT_TARGETS[name].hub_id:
-        return DEFAULT_TARGETS[name].hub_id
-    if name in DEFAULT_TARGETS:  # no Hub original known: the converted local copy works on this machine only
-        folder = local_target_dir(name)
-        warnings.warn(f"target '{name}' has no known Hub id; the export names "
-                      f"{folder or name} as its verifier (pass verifier= a Hub id to publish)")
-        return str(folder) if folder else name
-    return name
-
-
-def local_target_dir(name_or_path: str | None) -> Path | None:
-    """The target's directory when it is on this machine (a prepared named default or a local path)."""
-    if not name_or_path:
-        return None
-    if name_or_path in DEFAULT_TARGETS:
-        folder = cache_root() / "targets" / name_or_path
-        return folder if (folder / MARKER).exists() else None
-    folder = Path(name_or_path).expanduser()
-    return folder if (folder / "config.json").exists() else None
-
 
 def target_embedding(folder: Path) -> torch.Tensor | None:
     """The target's input embedding read from its safetensors (no model load), or None when it has none."""
@@ -299,11 +232,12 @@ def export_state(head: Eagle3Head, fmt: str, dtype: torch.dtype) -> dict[str, to
 
 
 def export_head(head_dir: str | Path, fmt: str, out_dir: str | Path, dtype: str = "bfloat16",
-                settings: dict | None = None, verifier: str | None = None) -> Path:
+                settings: dict | None = None, verifier: str | None = None, force_verifier: bool = False) -> Path:
     """Write the head in `head_dir` as format `fmt` into `out_dir` (atomically); returns `out_dir`.
 
     `settings` (from `decoding_settings`, or eval's `serving_settings` of a bench report) decide the chain
-    length in the speculators config and the serving snippets; None: chain defaults.
+    length in the speculators config and the serving snippets; None: chain defaults. A `verifier` that is
+    not the head's target (heads/verifier.py `check_verifier`) is refused unless `force_verifier`.
     """
     if fmt not in FORMATS:
         raise ValueError(f"unknown export format '{fmt}'; choose one of {', '.join(FORMATS)}")
@@ -317,6 +251,7 @@ def export_head(head_dir: str | Path, fmt: str, out_dir: str | Path, dtype: str 
     verifier = resolve_verifier(verifier, meta)
     if fmt == "speculators" and not verifier:
         raise ValueError(f"{head_dir}: the head records no target; pass verifier= (the target's path or Hub id)")
+    verifier_check = check_verifier(verifier, meta, head.config.vocab_size, force=force_verifier)
     target_dir = local_target_dir(meta.get("target")) or local_target_dir(verifier)
     target_cfg = json.loads((target_dir / "config.json").read_text()) if target_dir else {}
     c = head.config
@@ -351,6 +286,9 @@ def export_head(head_dir: str | Path, fmt: str, out_dir: str | Path, dtype: str 
         "tokenizer_hash": meta.get("tokenizer_hash"),
         "target_license": getattr(DEFAULT_TARGETS.get(meta.get("target")), "license", None)
         or target_cfg.get("license"),
+        "trained_against": trained_against(meta),
+        "verifier_check": verifier_check,
+        "verifier_architectures": target_cfg.get("architectures") or [],
         "settings": settings,
         "head_config": c.to_dict(),
     }
@@ -358,10 +296,12 @@ def export_head(head_dir: str | Path, fmt: str, out_dir: str | Path, dtype: str 
     def write(tmp: Path) -> None:
         save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-        # push checks this, so weights edited after export are never published under the gated head's name
+        # push checks both, so an export edited afterwards is never published under the gated head's name
         info["weights_sha256"] = sha256_file(tmp / WEIGHTS)
+        info["config_sha256"] = sha256_file(tmp / "config.json")
         (tmp / EXPORT_METADATA).write_text(json.dumps(info, indent=2))
-        serving = serving_markdown(fmt, target_for_snippet, str(out_dir.resolve()), settings)
+        # No path of this machine: the folder is moved, copied and uploaded as it is.
+        serving = "\n".join(weights_lines(info) + [serving_markdown(fmt, target_for_snippet, THIS_FOLDER, settings)])
         (tmp / SERVING_FILE).write_text(f"# Serving this EAGLE-3 head\n\n{serving}")
         (tmp / "README.md").write_text(export_readme(fmt, info, serving))
 
@@ -417,13 +357,49 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
         return {name: fh.get_tensor(name) for name in fh.keys()}
 
 
+def expected_config(info: dict) -> dict:
+    """The config.json `export_head` wrote for the head and settings that eyas_export.json records."""
+    c = Eagle3Config.from_dict(info["head_config"])
+    if info["format"] == "speculators":
+        cfg = speculators_config(c, info["dtype"], info["settings"]["num_speculative_tokens"], info["verifier"],
+                                 info.get("verifier_architectures") or [])
+    else:
+        cfg = engine_config(c, info["dtype"])
+    return json.loads(json.dumps(cfg))
+
+
+def first_difference(got, want, prefix: str = "") -> tuple[str, object, object] | None:
+    """(dotted field, value found, value expected) of the first field where two JSON objects differ."""
+    if not (isinstance(got, dict) and isinstance(want, dict)):
+        return None if got == want else (prefix.rstrip("."), got, want)
+    for key in list(want) + [k for k in got if k not in want]:
+        if key not in got or key not in want:
+            return f"{prefix}{key}", got.get(key, "missing"), want.get(key, "absent")
+        if diff := first_difference(got[key], want[key], f"{prefix}{key}."):
+            return diff
+    return None
+
+
+def check_export_config(cfg: dict, info: dict, where: str) -> None:
+    """Refuse a config.json that is not the one exported for the recorded head (aux ids, rope, sizes, ...)."""
+    if diff := first_difference(cfg, expected_config(info)):
+        field, got, want = diff
+        raise ExportValidationError(f"{where}: field '{field}' is {got!r}, the head's own config gives {want!r} "
+                                    "(config.json was edited after `eyas export`; re-export the head)")
+
+
 def read_validated_export(path: str | Path) -> tuple[str, dict, dict]:
-    """(format, config.json, tensors) of an export directory, its tensors checked against its own config."""
+    """(format, config.json, tensors) of an export directory, its tensors checked against its own config and
+    that config against the head eyas_export.json records (when it records one)."""
     path = Path(path)
     cfg_file, weights = path / "config.json", path / WEIGHTS
     if not cfg_file.exists() or not weights.exists():
         raise FileNotFoundError(f"{path}: not an export (needs config.json and {WEIGHTS})")
     cfg = json.loads(cfg_file.read_text())
+    info_file = path / EXPORT_METADATA
+    info = json.loads(info_file.read_text()) if info_file.exists() else {}
+    if "config_sha256" in info:  # exports older than the config check cannot be checked field by field
+        check_export_config(cfg, info, str(cfg_file))
     fmt = detect_format(cfg)
     tensors = read_safetensors(weights)
     validate_tensors(tensors, cfg, fmt, where=str(weights))
