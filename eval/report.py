@@ -212,6 +212,9 @@ def summary_rows(report: dict) -> list[tuple[str, str]]:
         ("speedup vs plain decoding", fmt(report["speedup"], ".2f", "x") + (
             f" (95% CI over prompts {report['speedup_ci95'][0]:.2f}-{report['speedup_ci95'][1]:.2f}x)"
             if report.get("speedup_ci95") else "") + doubtful),
+        ("speedup vs the fastest plain decoding" + (f" ({report['fastest_plain']['decoder']})"
+                                                    if report.get("fastest_plain") else ""),
+         fmt(report.get("speedup_vs_fastest_plain"), ".2f", "x")),
         ("speedup vs HF generate()", fmt(report.get("speedup_vs_hf_generate"), ".2f", "x")),
         ("speedup vs prompt lookup", fmt(report.get("speedup_vs_prompt_lookup"), ".2f", "x")),
         ("predicted speedup (alpha, K, costs)", fmt(report.get("cost_model", {}).get("predicted_speedup"), ".2f", "x")),

@@ -238,3 +238,18 @@ def test_a_report_measured_on_other_target_weights_fails_the_gate(tmp_path, caps
     failed = [c for c in verdict["checks"] if not c["passed"]]
     assert [c["name"] for c in failed] == ["target"]
     assert "target" in capsys.readouterr().out
+
+
+def test_the_speedup_bar_is_checked_against_the_fastest_plain_decoding():
+    """A head that beats eyas' plain decoder but not transformers' generate() does not pass a speedup bar."""
+    from eyas.eval.aggregate import fastest_plain
+    from eyas.eval.config import GateConfig
+    from eyas.eval.gate import threshold_checks
+
+    figures = {"speedup": 1.2, "spec_tokens_per_s": 24.0, "baseline_tokens_per_s": 20.0,
+               "hf_generate_tokens_per_s": 30.0}
+    figures.update(fastest_plain(figures))
+    assert figures["fastest_plain"] == {"decoder": "transformers generate()", "tokens_per_s": 30.0}
+    assert figures["speedup_vs_fastest_plain"] == pytest.approx(0.8)
+    [check] = threshold_checks(figures, "all", GateConfig(min_alpha=None, min_speedup=1.0))
+    assert check.value == pytest.approx(0.8) and not check.passed
