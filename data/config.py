@@ -42,7 +42,9 @@ class CorpusConfig:
     # For text/code corpora: file glob and how documents become samples.
     glob: str = "**/*"
     # Label written to the `category` column and used to group held-out prompts; null: chat for
-    # conversation corpora, code for sharegpt-less code kinds, text for plain text.
+    # conversation corpora, code for code kinds, text for plain text. "auto" (conversation corpora) labels
+    # each conversation by the kind of traffic its first request is: chat, code, summarization, creative
+    # or reasoning (data/traffic.py), so a mixed corpus gives a held-out set that mixes kinds of traffic.
     category: str | None = None
 
 

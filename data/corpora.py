@@ -26,6 +26,7 @@ from typing import Any, Iterator
 
 from eyas.data.config import ChatKind, CompletionKind, CorpusConfig
 from eyas.data.packages import packaged_file
+from eyas.data.traffic import first_request, traffic_kind
 
 
 class CorpusError(ValueError):
@@ -346,7 +347,8 @@ def read_corpus(cfg: CorpusConfig, max_turns: int | None = None) -> tuple[list[R
             stats.read += 1
             messages = normalise_turns(pairs, where, stats, max_turns)
             if messages is not None:
-                records.append(Record("", str(path), category, messages=messages))
+                kind = traffic_kind(first_request(messages)) if category == "auto" else category
+                records.append(Record("", str(path), kind, messages=messages))
     elif cfg.kind == "humaneval":
         records = list(_humaneval_records(path, category, stats))
     else:
