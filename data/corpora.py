@@ -339,7 +339,9 @@ def read_corpus(cfg: CorpusConfig, max_turns: int | None = None) -> tuple[list[R
     if cfg.kind not in KINDS:
         raise ValueError(f"unknown corpus kind '{cfg.kind}' (valid: {', '.join(KINDS)})")
     path = corpus_path(cfg)
-    category = cfg.category or DEFAULT_CATEGORY.get(cfg.kind, "chat")
+    # "auto" labels conversations by their first request; documents keep their kind's default label.
+    auto_default = cfg.category == "auto" and cfg.kind not in CHAT_KINDS
+    category = DEFAULT_CATEGORY.get(cfg.kind, "chat") if not cfg.category or auto_default else cfg.category
     stats = CorpusStats(source=str(path))
     records: list[Record] = []
     if cfg.kind in CHAT_KINDS:
