@@ -4,7 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
-bash scripts/setup.sh
+# The quickstart needs no serving engine; CI and `eyas bench --engine vllm` install it (EYAS_ENGINE=vllm).
+EYAS_ENGINE=${EYAS_ENGINE:-none} bash scripts/setup.sh
 . .venv/bin/activate
 export WANDB_MODE=offline HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 set +e
