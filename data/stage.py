@@ -89,6 +89,8 @@ class Stage:
     inputs: Callable[..., dict] | None = None
     # Stages that compute nothing worth caching (the gate reads one JSON) always run.
     cached: bool = True
+    # A stage that only runs when the recipe asks for it (`enabled(recipe)` false: skipped, nothing written).
+    enabled: Callable[..., bool] | None = None
 
 
 def input_hash(stage: Stage, sections: dict[str, Any], upstream: dict[str, Path], extra: dict | None) -> str:

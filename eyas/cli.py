@@ -30,7 +30,25 @@ def _run_stage(args, **options):
 
 
 def cmd_bench(args):
-    _run_stage(args, head=args.head, prompts=args.prompts, allow_other_target=args.allow_other_target)
+    from eyas.stages import run_one
+
+    recipe = _recipe(args)
+    options = {"head": args.head, "prompts": args.prompts}
+    print(run_one("bench", recipe, allow_other_target=args.allow_other_target, **options))
+    if args.engine:  # the flags stand for the recipe's engine section
+        recipe.engine.name = args.engine
+        for key in ("concurrency", "max_tokens", "structured"):
+            if getattr(args, key) is not None:
+                setattr(recipe.engine, key, getattr(args, key))
+        recipe.engine.compile = recipe.engine.compile or args.compile
+        print(run_one("engine", recipe, **options))
+
+
+def cmd_monitor(args):
+    from eyas.eval.monitor import monitor
+
+    return monitor(args.url, window_s=args.window, alert_after=args.windows, bar=args.bar, json_lines=args.json,
+                   max_windows=args.max_windows)
 
 
 def gate_thresholds(args):
@@ -102,6 +120,15 @@ def cmd_target(args):
         print(resolve_target(args.name, verify=True))
 
 
+def _concurrency(text: str) -> list[int]:
+    from eyas.eval.engine_bench import parse_concurrency
+
+    try:
+        return parse_concurrency(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eyas", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -124,10 +151,25 @@ def build_parser() -> argparse.ArgumentParser:
     _add_recipe(p)
     p.add_argument("--head", default=None, help="head directory (default: the recipe's best head)")
     p.add_argument("--prompts", default=None, help="JSONL prompts file (default: held-out prompts)")
+    p.add_argument("--engine", choices=["vllm"], default=None,
+                   help="also serve the exported head through this engine (engine section of the recipe)")
+    p.add_argument("--concurrency", type=_concurrency, default=None, help="engine: requests in flight, e.g. 1,2,4,8,16")
+    p.add_argument("--max-tokens", type=int, default=None, help="engine: tokens generated per request")
+    p.add_argument("--structured", type=int, default=None, help="engine: prompts also sent under a JSON schema")
+    p.add_argument("--compile", action="store_true", help="engine: torch.compile (slow warm-up on a CPU)")
     p.add_argument("--allow-other-target", action="store_true",
                    help="measure even when the target's weights are not those the head was trained against "
                         "(warned, and marked in the report; the gate fails it)")
     p.set_defaults(fn=cmd_bench)
+
+    p = sub.add_parser("monitor", help="watch a running vLLM or SGLang server's speculative acceptance (/metrics)")
+    p.add_argument("url", help="the server, e.g. http://127.0.0.1:8000")
+    p.add_argument("--window", type=float, default=60.0, help="seconds per window")
+    p.add_argument("--windows", type=int, default=3, help="exit 1 after this many windows in a row below the bar")
+    p.add_argument("--bar", type=float, default=0.55, help="acceptance rate (accepted/drafted) below which to disable")
+    p.add_argument("--json", action="store_true", help="one JSON object per window")
+    p.add_argument("--max-windows", type=int, default=None, help="stop after this many windows")
+    p.set_defaults(fn=cmd_monitor)
 
     p = sub.add_parser("gate", help="fail (exit 1) when a bench report misses the release thresholds")
     p.add_argument("report", help="bench report.json")

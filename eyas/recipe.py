@@ -17,7 +17,7 @@ import yaml
 
 from eyas.configbase import ConfigError, _closest, from_dict, to_dict
 from eyas.data.config import CollectConfig, DataConfig, TargetConfig, VocabConfig
-from eyas.eval.config import BenchConfig, GateConfig
+from eyas.eval.config import BenchConfig, EngineConfig, GateConfig
 from eyas.heads.config import ExportConfig, HeadConfig
 from eyas.train.config import TrainConfig
 
@@ -35,6 +35,7 @@ class Recipe:
     head: HeadConfig = field(default_factory=HeadConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
     gate: GateConfig = field(default_factory=GateConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     # Path of the accelerate config that suits this recipe (documentation for `accelerate launch`).

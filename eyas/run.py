@@ -1,6 +1,6 @@
 """`eyas run RECIPE`: every stage in order (eyas/stages.py); each stage skips itself when its output is valid.
 
-prepare -> vocab -> collect -> train -> bench -> gate -> export
+prepare -> vocab -> collect -> train -> bench -> engine (when asked for) -> gate -> export
 """
 
 from __future__ import annotations

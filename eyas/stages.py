@@ -1,6 +1,6 @@
 """The pipeline's stages, each declared once: its folder, config sections, upstream stages, code, run.
 
-    prepare -> vocab -> collect -> train -> bench -> gate -> export
+    prepare -> vocab -> collect -> train -> bench -> engine -> gate -> export
 
 `eyas run` walks STAGES in order; `eyas prepare|vocab|collect|train|bench` run one. Every cached
 stage goes through `run_stage` (data/stage.py): it is skipped when its DONE.json records the same
@@ -90,6 +90,18 @@ def _bench_inputs(recipe: Recipe, head: str | None = None, prompts: str | None =
             "k": alpha_chain_length(recipe), "allow_other_target": allow_other_target}
 
 
+def _engine(recipe: Recipe, target: Target, out: Path, head: str | None = None, prompts: str | None = None,
+            **_) -> dict | None:
+    from eyas.eval.engine_bench import EngineBenchConfig
+    from eyas.eval.engine_report import bench_through_engine
+
+    cfg = EngineBenchConfig(concurrency=list(recipe.engine.concurrency), max_tokens=recipe.engine.max_tokens,
+                            structured=recipe.engine.structured, enforce_eager=not recipe.engine.compile)
+    engine = bench_through_engine(target, bench_head_dir(recipe, head), bench_prompts_path(recipe, prompts),
+                                  out.parent, alpha_chain_length(recipe), cfg, num_prompts=recipe.bench.num_prompts)
+    return {"acceptance_rate": engine["acceptance_rate"], "speedup_c1": engine["speedup_c1"]}
+
+
 def _gate(recipe: Recipe, target: Target | None, out: Path, **_) -> int:
     from eyas.eval.gate import run_gate
 
@@ -124,6 +136,10 @@ STAGES: list[Stage] = [
                 "eyas.eval.target_runner", "eyas.eval.kv_cache", "eyas.eval.timing", "eyas.eval.sampling",
                 "eyas.eval.linear_kernels", "eyas.eval.config"),
           run=_bench, inputs=_bench_inputs),
+    # The head served by the engine (when `engine.name` is set): its figures go into bench/report.json.
+    Stage("engine", folder="bench/engine", sections=("target", "engine"), upstream=("bench",),
+          code=("eyas.eval.engine_report", "eyas.eval.engine_bench", "eyas.eval.engine_parity", "eyas.eval.engine",
+                "eyas.eval.metrics_text"), run=_engine, enabled=lambda recipe: recipe.engine.name is not None),
     # The gate reads one JSON and the export rewrites two small folders: cheap, so never skipped.
     Stage("gate", folder="bench", sections=("gate",), upstream=("bench",), code=(), run=_gate, cached=False),
     Stage("export", folder="export", sections=("export",), upstream=("train",), code=(), run=_export, cached=False),
@@ -145,6 +161,9 @@ def run_one(name: str, recipe: Recipe, target: Target | None = None, **options) 
     """Run stage `name` of `recipe` (skipped when up to date). `options` reach the adapter (bench --head)."""
     stage = get_stage(name)
     out = recipe.stage_dir(stage.folder)
+    if stage.enabled is not None and not stage.enabled(recipe):
+        print(f"[{name}] not asked for by this recipe; skipped", flush=True)
+        return None
     if target is None and stage.cached:
         target = Target.resolve(recipe.target)
     if not stage.cached:
