@@ -24,9 +24,10 @@ figures again per category under `by_category`):
     cost_model           verify/draft/other cost per step relative to a plain step, and the speedup that
                          1 + K * alpha tokens per step at those costs predict (and the classic independent-
                          acceptance estimate, predicted_speedup_independent)
-    noise                the machine's load average before/after (os.getloadavg), its CPUs, the spread of plain
-                         decoding's ms/token across prompts; trustworthy false, with one warning line each, when
-                         others' load exceeds LOAD_PER_CORE, the spread SPREAD_CV, or the layout timing stayed
+    noise                the CPU time other processes took per core while the bench ran (/proc/stat minus this
+                         process's own), the load average after, the CPUs, the spread of plain decoding's
+                         ms/token across prompts; trustworthy false, with one warning line each, when others'
+                         CPU exceeds OTHER_CPU_PER_CORE, the spread SPREAD_CV, or the layout timing stayed
                          inconsistent (also on stderr and at the top of summary.md)
     target.matches_head  whether the head's recorded target hash is this target's (a head trained against
                          other weights is refused unless allow_other_target; then false, and said everywhere)
@@ -242,8 +243,32 @@ def tune_kernels(bench: BenchConfig, model, head) -> list[dict]:
 
 # ---- how far the timings can be trusted ----------------------------------------------------------
 
-LOAD_PER_CORE = 0.5  # load average of other processes per core above which timings are doubtful
+OTHER_CPU_PER_CORE = 0.25  # CPU time of other processes per core during the bench above which timings are doubtful
 SPREAD_CV = 0.25  # plain decoding's ms/token varying more than this across prompts is noise, not prompts
+
+
+@dataclass(frozen=True)
+class CpuSample:
+    """Wall clock, busy CPU seconds of the whole machine and CPU seconds of this process, at one moment."""
+
+    wall: float
+    machine_busy_s: float
+    own_s: float
+
+
+def cpu_sample() -> CpuSample | None:
+    """Now, from /proc/stat and os.times() (None off Linux). Two samples tell how much CPU *other*
+    processes used in between: unlike a load average, the bench's own threads and whatever this process
+    ran just before (the train stage of `eyas run`) do not count."""
+    try:
+        with open("/proc/stat") as fh:
+            ticks = [int(v) for v in fh.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+        per_s = os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, AttributeError):
+        return None
+    own = os.times()
+    return CpuSample(time.monotonic(), (sum(ticks) - ticks[3] - ticks[4]) / per_s,
+                     own.user + own.system + own.children_user + own.children_system)
 
 
 def load_average() -> tuple[float, float, float] | None:
@@ -253,28 +278,25 @@ def load_average() -> tuple[float, float, float] | None:
         return None
 
 
-def measurement_noise(load_before, load_after, cpus: int, bench_threads: int, plain_s_per_token: Sequence[float],
-                      layout_warnings: Sequence[str] = ()) -> dict:
-    """The report's `noise`: the machine's load around the bench, the run-to-run spread of plain decoding, and
-    whether (with the layout tuning's own doubts) they leave the timings trustworthy."""
+def measurement_noise(before: CpuSample | None, after: CpuSample | None, cpus: int, plain_s_per_token: Sequence[float],
+                      layout_warnings: Sequence[str] = (), load_after=None) -> dict:
+    """The report's `noise`: how much CPU other processes took during the bench, the run-to-run spread of plain
+    decoding, and whether (with the layout tuning's own doubts) they leave the timings trustworthy."""
     other = None
-    if load_before is not None and load_after is not None:
-        # Before the bench, the 1-minute load average is other processes; after it, it also counts the bench's
-        # own threads (fully once it ran a minute), so those are taken off.
-        other = max(load_before[0], load_after[0] - bench_threads) / max(cpus, 1)
+    if before is not None and after is not None and after.wall > before.wall:
+        others_s = (after.machine_busy_s - before.machine_busy_s) - (after.own_s - before.own_s)
+        other = max(0.0, others_s / (after.wall - before.wall)) / max(cpus, 1)
     ms = [1e3 * s for s in plain_s_per_token]
     cv = statistics.pstdev(ms) / statistics.mean(ms) if len(ms) > 1 and statistics.mean(ms) > 0 else None
     warnings = []
-    if other is not None and other > LOAD_PER_CORE:
-        warnings.append(f"the load average beyond the bench itself was {other:.2f} per core ({cpus} CPUs; 1-minute "
-                        f"load {load_before[0]:.2f} before, {load_after[0]:.2f} after): other processes competed "
-                        "for the CPUs")
+    if other is not None and other > OTHER_CPU_PER_CORE:
+        warnings.append(f"other processes used {other:.2f} of each of the {cpus} CPUs while the bench ran "
+                        f"(above {OTHER_CPU_PER_CORE}): they competed for the CPUs")
     if cv is not None and cv > SPREAD_CV:
         warnings.append(f"plain decoding's ms per token spread {cv:.0%} across prompts (coefficient of variation; "
                         f"a steady machine stays under {SPREAD_CV:.0%})")
     warnings += [f"matmul layout timing: {w}" for w in layout_warnings]
-    return {"cpus": cpus, "bench_threads": bench_threads, "load_before": list(load_before) if load_before else None,
-            "load_after": list(load_after) if load_after else None, "other_load_per_core": other,
+    return {"cpus": cpus, "other_cpu_per_core": other, "load_after": list(load_after) if load_after else None,
             "plain_ms_per_token_cv": cv, "trustworthy": not warnings, "warnings": warnings}
 
 
@@ -357,14 +379,14 @@ def bench(cfg: BenchConfig, target: Target, head_dir: Path, prompts_path: Path, 
     head_hash = head_content_hash(head_dir)  # before loading: the hash names what was read
     head, meta = load_head(head_dir, tokenizer=target.tokenizer, target_vocab_size=target.vocab_size)
     matches_head = check_target_weights(head_dir, meta, target, allow_other_target)
-    load_before = load_average()  # before the model loads: what else runs on this machine
+    cpu_before = cpu_sample()  # others' CPU time is counted from here to the end of the measurement
     model = target.load_model()
     head = head.to(device=model.device, dtype=model.dtype).eval().requires_grad_(False)
     kernel_table = tune_kernels(cfg, model, head)
     results, decoder, tune_table = measure(model, head, target.tokenizer, cfg, all_prompts, k_alpha)
-    noise = measurement_noise(load_before, load_average(), os.cpu_count() or 1, torch.get_num_threads(),
-                              plain_seconds_per_token(results),
-                              [f"{t['note']} at {t['rows']} row(s)" for t in kernel_table if not t["consistent"]])
+    noise = measurement_noise(cpu_before, cpu_sample(), os.cpu_count() or 1, plain_seconds_per_token(results),
+                              [f"{t['note']} at {t['rows']} row(s)" for t in kernel_table if not t["consistent"]],
+                              load_after=load_average())
     for warning in noise["warnings"]:
         print(f"eyas bench: WARNING: {warning}; the figures are marked untrustworthy", file=sys.stderr)
 

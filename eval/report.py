@@ -16,8 +16,8 @@ Fields every reader may rely on (bench writes many more: latencies, cost model, 
                           null when the head records none; false only when bench was allowed to go on)
     environment           device, dtype
     noise                 trustworthy (false: load or run-to-run spread make the timings doubtful; null:
-                          unknown), warnings (one line each); bench also records cpus, load_before/after
-                          (os.getloadavg), other_load_per_core and plain_ms_per_token_cv
+                          unknown), warnings (one line each); bench also records cpus, other_cpu_per_core (CPU
+                          time of other processes during the bench), load_after and plain_ms_per_token_cv
 
 Version 1 reports (before `noise` and `target.matches_head`) still load: both are filled in as unknown.
 """
@@ -192,10 +192,9 @@ def warning_lines(report: dict) -> list[str]:
 
 def machine_line(report: dict) -> str:
     noise = report["noise"]
-    load = "load average unknown" if not noise.get("load_before") else (
-        f"1-minute load average {noise['load_before'][0]:.2f} before and {noise['load_after'][0]:.2f} after "
-        f"(beyond the bench: {fmt(noise.get('other_load_per_core'), '.2f')} per core)")
-    return (f"{noise.get('cpus', '?')} CPUs, bench threads: {noise.get('bench_threads', '?')}, {load}; plain "
+    load = "CPU use of other processes unknown" if noise.get("other_cpu_per_core") is None else (
+        f"other processes used {noise['other_cpu_per_core']:.2f} of each CPU during the bench")
+    return (f"{noise.get('cpus', '?')} CPUs, {load}; plain "
             f"decoding's ms/token varied {fmt(noise.get('plain_ms_per_token_cv'), '.1%')} across prompts (CV).")
 
 
