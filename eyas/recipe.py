@@ -5,9 +5,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -55,12 +52,6 @@ class Recipe:
 
     def to_dict(self) -> dict:
         return to_dict(self)
-
-    def section_hash(self, *sections: str) -> str:
-        """Content hash of some sections, so a stage is redone when its inputs change."""
-        blob = json.dumps({s: to_dict(getattr(self, s)) if dataclasses.is_dataclass(getattr(self, s))
-                           else getattr(self, s) for s in sections}, sort_keys=True, default=str)
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def recipes_dir() -> Path:

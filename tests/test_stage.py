@@ -117,3 +117,18 @@ def test_a_second_run_on_a_locked_folder_is_refused_and_names_the_holder(tmp_pat
     calls = []
     run_fake(counting_stage(calls), out, {"s": {}})  # the holder died: its lock went with it
     assert len(calls) == 1
+
+
+def test_a_changed_train_setting_redoes_train_but_not_the_data_stages():
+    """Each registered stage hashes only its own sections: a new learning rate leaves prepare's key alone."""
+    from eyas.data.stage import hash_json
+    from eyas.recipe import load_recipe
+    from eyas.stages import get_stage
+
+    a = load_recipe("smollm2-135m-cpu")
+    b = load_recipe("smollm2-135m-cpu", ["train.lr=1e-3"])
+
+    def sections(recipe, stage):
+        return hash_json({s: getattr(recipe, s) for s in get_stage(stage).sections})
+    assert sections(a, "prepare") == sections(b, "prepare") and sections(a, "vocab") == sections(b, "vocab")
+    assert sections(a, "train") != sections(b, "train")
