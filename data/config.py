@@ -62,7 +62,15 @@ class DataConfig:
     # turns are dropped, because the user's follow-ups answered the original reply).
     regenerate: bool = False
     regenerate_max_new_tokens: int = field(default=256, metadata={"min": 1})
+    # What generates the answers: transformers (HF generate, in this process, batches of batch_size) or
+    # vllm (the serving engine as a local server, `regenerate_concurrency` requests in flight: several
+    # times faster, docs/data-engine.md).
+    regenerate_engine: Literal["transformers", "vllm"] = "transformers"
     regenerate_batch_size: int = field(default=16, metadata={"min": 1})
+    regenerate_concurrency: int = field(default=64, metadata={"min": 1})
+    # Weights' dtype in the engine; auto: the target's (float32 on a CPU). bfloat16 is about 2x faster on
+    # CPUs with AMX, but its greedy answers drift from what the float32 target says.
+    regenerate_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     regenerate_temperature: float = field(default=0.0, metadata={"min": 0})
     regenerate_max_records: int | None = field(default=None, metadata={"min": 1})
     # Only prompts of at most this many tokens are regenerated (the others are dropped); null: any prompt

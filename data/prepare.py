@@ -21,8 +21,9 @@ from typing import Callable
 from eyas.data.atomic import atomic_write_text
 from eyas.data.config import DataConfig
 from eyas.data.corpora import CorpusError, CorpusStats, Record, dedup, read_corpus, select, split_of
+from eyas.data.regenerate import AnswerSource, engine_answers, regenerate, transformers_answers
 from eyas.data.stage import hash_json
-from eyas.data.targets import Target
+from eyas.data.targets import Target, pick_device, pick_dtype
 from eyas.data.templates import Sample, parent_id, render_records
 
 COLUMNS = ("input_ids", "loss_mask", "source", "record_id", "category")
@@ -44,25 +45,51 @@ def regeneration_log(cfg: DataConfig, target: Target, out: Path) -> Path:
     """The resume log, one per target and generation settings, so changed settings never reuse old answers."""
     settings = [hash_json(target.cfg), target.hash, cfg.regenerate_max_new_tokens, cfg.regenerate_temperature,
                 cfg.seed]
+    if cfg.regenerate_engine != "transformers":  # another engine's numerics: other greedy answers
+        settings += [cfg.regenerate_engine, engine_dtype(cfg, target)]
     return out / f"regenerated-{hash_json(settings, 12)}.jsonl"
+
+
+def engine_dtype(cfg: DataConfig, target: Target) -> str:
+    if cfg.regenerate_dtype != "auto":
+        return cfg.regenerate_dtype
+    return str(pick_dtype(target.cfg.dtype, pick_device(target.cfg.device))).removeprefix("torch.")
+
+
+def answer_source(cfg: DataConfig, target: Target, out: Path, max_prompt: int,
+                  tune_for_rows: Callable | None = None) -> AnswerSource:
+    """What answers the prompts: the engine as a local server, or the target loaded here (only when called)."""
+    if cfg.regenerate_engine == "vllm":
+        from eyas.data.engine import VllmServer
+
+        def start_server() -> VllmServer:
+            return VllmServer(target.path, out, dtype=engine_dtype(cfg, target), log_name="vllm-regenerate.log",
+                              max_model_len=min(max_prompt + cfg.regenerate_max_new_tokens,
+                                                getattr(target.config, "max_position_embeddings", 1 << 20)),
+                              extra_args=["--max-num-seqs", str(cfg.regenerate_concurrency)])
+
+        return engine_answers(start_server, target.tokenizer, cfg.regenerate_max_new_tokens,
+                              cfg.regenerate_concurrency, cfg.regenerate_temperature, cfg.seed)
+
+    def answers(todo):
+        model = target.load_model()
+        if tune_for_rows is not None:
+            # Every decode step of a batch has batch_size rows: let the caller pick the matmul layout for that.
+            tune_for_rows(model, row_counts=(cfg.regenerate_batch_size,))
+        yield from transformers_answers(model, target.tokenizer, cfg.regenerate_max_new_tokens,
+                                        cfg.regenerate_batch_size, cfg.regenerate_temperature, cfg.seed)(todo)
+    return answers
 
 
 def regenerate_groups(cfg: DataConfig, target: Target, groups, out: Path,
                       tune_for_rows: Callable | None = None) -> list[tuple[CorpusStats, list[Record]]]:
-    from eyas.data.regenerate import regenerate
-
-    model = target.load_model()
-    if tune_for_rows is not None:
-        # Every decode step of a batch has batch_size rows: let the caller pick the matmul layout for that.
-        tune_for_rows(model, row_counts=(cfg.regenerate_batch_size,))
-    tokenizer = target.tokenizer
     records = [r for _, found in groups for r in found]
     max_prompt = cfg.max_length - cfg.min_assistant_tokens
     if cfg.regenerate_max_prompt_tokens is not None:
         max_prompt = min(max_prompt, cfg.regenerate_max_prompt_tokens)
-    answered = {r.record_id: r for r in regenerate(model, tokenizer, records, regeneration_log(cfg, target, out),
-                                                   cfg.regenerate_max_new_tokens, cfg.regenerate_batch_size,
-                                                   cfg.regenerate_temperature, cfg.regenerate_max_records, cfg.seed,
+    source = answer_source(cfg, target, out, max_prompt, tune_for_rows)
+    answered = {r.record_id: r for r in regenerate(source, target.tokenizer, records,
+                                                   regeneration_log(cfg, target, out), cfg.regenerate_max_records,
                                                    max_prompt_tokens=max_prompt)}
     return [(stats, [answered[r.record_id] for r in found if r.record_id in answered]) for stats, found in groups]
 

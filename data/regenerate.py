@@ -2,20 +2,30 @@
 
 Only the first assistant turn is regenerated and later turns are dropped: the user's follow-ups
 answered the original reply, not the target's. Completion-style records are left as they are.
-Results are appended per batch to a JSONL file keyed by record id, so a killed run resumes where it
+Results are appended to a JSONL file keyed by record id as they finish, so a killed run resumes where it
 stopped.
+
+Two ways to generate, with the same output: `transformers_answers` (HF generate, batches of left-padded
+prompts that all wait for the longest answer) and `engine_answers` (the serving engine, vLLM, as a local
+server: continuous batching at high concurrency, a finished request's slot refilled at once). The
+engine's figures on this machine are in docs/data-engine.md.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
 from tqdm import tqdm
 
 from eyas.data.corpora import Record
+
+# todo records -> lists of {"record_id", "answer", "finish"} as they are generated
+AnswerSource = Callable[[list[Record]], Iterator[list[dict]]]
 
 
 def first_turn_prompt(messages: list[dict]) -> list[dict]:
@@ -96,13 +106,63 @@ def prompt_lengths(tokenizer, records: list[Record]) -> list[int]:
     return [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]] if texts else []
 
 
-def regenerate(model, tokenizer, records: list[Record], cache: Path, max_new_tokens: int = 256,
-               batch_size: int = 16, temperature: float = 0.0, max_records: int | None = None,
-               seed: int = 0, max_prompt_tokens: int | None = None) -> list[Record]:
+def transformers_answers(model, tokenizer, max_new_tokens: int, batch_size: int = 16,
+                         temperature: float = 0.0, seed: int = 0) -> AnswerSource:
+    """Answers from HF generate, `batch_size` prompts at a time."""
+    def answers(todo: list[Record]) -> Iterator[list[dict]]:
+        for b in range(0, len(todo), batch_size):
+            batch = todo[b:b + batch_size]
+            found = generate_answers(model, tokenizer, [first_turn_prompt(r.messages) for r in batch],
+                                     max_new_tokens, temperature, seed + b)
+            yield [{"record_id": r.record_id, "answer": a, "finish": f} for r, (a, f) in zip(batch, found)]
+    return answers
+
+
+def engine_answers(start_server: Callable, tokenizer, max_new_tokens: int, concurrency: int = 64,
+                   temperature: float = 0.0, seed: int = 0, request_timeout_s: float = 1800.0) -> AnswerSource:
+    """Answers from the serving engine: `start_server()` gives a context manager for a running vLLM server
+    (started only when something is left to answer), `concurrency` requests in flight.
+
+    The prompt goes as token ids rendered here by the target's chat template, so the engine answers
+    exactly the prompt HF generate would get; its text is detokenized as `generate_answers` does
+    (special tokens skipped, stripped)."""
+    from eyas.data.engine import http_json
+
+    def answers(todo: list[Record]) -> Iterator[list[dict]]:
+        with start_server() as server:
+            model = server.served_model()
+            pool = ThreadPoolExecutor(concurrency)
+
+            def one(i: int, record: Record) -> dict:
+                text = tokenizer.apply_chat_template(first_turn_prompt(record.messages), tokenize=False,
+                                                     add_generation_prompt=True)
+                body = {"model": model, "prompt": tokenizer(text, add_special_tokens=False)["input_ids"],
+                        "max_tokens": max_new_tokens, "temperature": temperature, "seed": seed + i,
+                        "skip_special_tokens": True}
+                choice = http_json(server.url + "/v1/completions", body, request_timeout_s)["choices"][0]
+                return {"record_id": record.record_id, "answer": choice["text"].strip(),
+                        "finish": "length" if choice["finish_reason"] == "length" else "eos"}
+
+            futures = [pool.submit(one, i, r) for i, r in enumerate(todo)]
+            try:
+                for future in as_completed(futures):
+                    if future.exception() is not None:
+                        server.check_alive()  # a dead server says why in its log
+                        raise server.failure(f"a regeneration request failed ({future.exception()}); the answers "
+                                             "so far are kept: rerun to resume")
+                    yield [future.result()]
+            finally:  # on an error or Ctrl-C: drop what has not started, stop the server, keep what is written
+                pool.shutdown(wait=False, cancel_futures=True)
+    return answers
+
+
+def regenerate(answer_source: AnswerSource, tokenizer, records: list[Record], cache: Path,
+               max_records: int | None = None, max_prompt_tokens: int | None = None) -> list[Record]:
     """Chat records with their first answer replaced by the target's; empty answers drop the record.
 
     Prompts longer than `max_prompt_tokens` are not regenerated (and dropped): their answer would
     fall past max_length, and one long prompt in a left-padded batch multiplies everyone's cost.
+    `answer_source` is called only when some record is still without an answer in `cache`.
     """
     cache = Path(cache)
     cache.parent.mkdir(parents=True, exist_ok=True)
@@ -117,15 +177,12 @@ def regenerate(model, tokenizer, records: list[Record], cache: Path, max_new_tok
     todo = [r for r in chat if r.record_id not in done]
     # Similar prompt lengths in a batch waste less left padding.
     todo.sort(key=lambda r: lengths[r.record_id])
-    with tqdm(total=len(chat), initial=len(chat) - len(todo), desc="regenerate", unit="rec") as bar:
-        for b in range(0, len(todo), batch_size):
-            batch = todo[b:b + batch_size]
-            answers = generate_answers(model, tokenizer, [first_turn_prompt(r.messages) for r in batch],
-                                       max_new_tokens, temperature, seed + b)
-            items = [{"record_id": r.record_id, "answer": a, "finish": f} for r, (a, f) in zip(batch, answers)]
-            _append(cache, items)
-            done.update((i["record_id"], i["answer"]) for i in items)
-            bar.update(len(batch))
+    if todo:
+        with tqdm(total=len(chat), initial=len(chat) - len(todo), desc="regenerate", unit="rec") as bar:
+            for items in answer_source(todo):
+                _append(cache, items)
+                done.update((i["record_id"], i["answer"]) for i in items)
+                bar.update(len(items))
     out = []
     for r in chat:
         if done.get(r.record_id):

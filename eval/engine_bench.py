@@ -26,8 +26,8 @@ from typing import Sequence
 from eyas.data.atomic import atomic_write_json, atomic_write_text
 from eyas.eval.aggregate import inter_token_latencies, percentiles
 from eyas.eval.bench import BenchPrompt
-from eyas.eval.engine import EngineError, VllmServer, metrics_delta, read_metrics
-from eyas.eval.metrics_text import spec_figures
+from eyas.data.engine import EngineError, VllmServer
+from eyas.eval.metrics_text import metrics_delta, read_metrics, spec_figures
 
 ENGINE_JSON = "engine.json"
 ENGINE_MD = "engine.md"

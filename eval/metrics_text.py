@@ -156,6 +156,18 @@ def counter_delta(before: SpecCounters, after: SpecCounters) -> SpecCounters:
                         after.generation_tokens - before.generation_tokens)
 
 
+def read_metrics(url: str, timeout_s: float = 10.0) -> SpecCounters | None:
+    """vLLM's cumulative speculative counters at `url` (base URL); None when speculation is off."""
+    return vllm_counters(parse_metrics(fetch_metrics_text(url, timeout_s)))
+
+
+def metrics_delta(before: SpecCounters | None, after: SpecCounters | None) -> SpecCounters | None:
+    """Counters accumulated between two reads (CounterReset if the server restarted in between)."""
+    if before is None or after is None:
+        return None
+    return counter_delta(before, after)
+
+
 def spec_figures(c: SpecCounters) -> dict:
     """Acceptance from (delta) counters, pooled over requests as the engine reports it.
 

@@ -122,7 +122,7 @@ DATA_CODE = ("eyas.data.corpora", "eyas.data.templates", "eyas.data.config", "ey
 
 STAGES: list[Stage] = [
     Stage("prepare", folder="data", sections=("target", "data"), upstream=(),
-          code=DATA_CODE + ("eyas.data.prepare", "eyas.data.regenerate"), run=_prepare, inputs=_prepare_inputs),
+          code=DATA_CODE + ("eyas.data.prepare", "eyas.data.regenerate", "eyas.data.engine"), run=_prepare, inputs=_prepare_inputs),
     Stage("vocab", folder="vocab", sections=("target", "vocab"), upstream=("prepare",),
           code=("eyas.data.vocab", "eyas.data.config"), run=_vocab),
     Stage("collect", folder="features", sections=("target", "collect"), upstream=("prepare", "vocab"),
@@ -138,7 +138,7 @@ STAGES: list[Stage] = [
           run=_bench, inputs=_bench_inputs),
     # The head served by the engine (when `engine.name` is set): its figures go into bench/report.json.
     Stage("engine", folder="bench/engine", sections=("target", "engine"), upstream=("bench",),
-          code=("eyas.eval.engine_report", "eyas.eval.engine_bench", "eyas.eval.engine_parity", "eyas.eval.engine",
+          code=("eyas.eval.engine_report", "eyas.eval.engine_bench", "eyas.eval.engine_parity", "eyas.data.engine",
                 "eyas.eval.metrics_text"), run=_engine, enabled=lambda recipe: recipe.engine.name is not None),
     # The gate reads one JSON and the export rewrites two small folders: cheap, so never skipped.
     Stage("gate", folder="bench", sections=("gate",), upstream=("bench",), code=(), run=_gate, cached=False),

@@ -1,6 +1,8 @@
-"""Regeneration with a tiny random-weight Llama and the real SmolLM2 tokenizer: batching, resume, output."""
+"""Regeneration with a tiny random-weight Llama and the real SmolLM2 tokenizer: batching, resume, output;
+the same through the serving engine (vLLM) when it is installed."""
 
 import json
+from collections import Counter
 
 import pytest
 import torch
@@ -8,6 +10,7 @@ import torch
 from eyas.data import regenerate as regen
 from eyas.data.config import TargetConfig
 from eyas.data.corpora import Record
+from eyas.data.engine import engine_missing
 from eyas.data.targets import Target
 
 
@@ -59,14 +62,14 @@ def test_regenerate_resumes_after_a_kill(tiny_model, tokenizer, tmp_path, monkey
 
     monkeypatch.setattr(regen, "generate_answers", dies_after_two_batches)
     with pytest.raises(KeyboardInterrupt):
-        regen.regenerate(tiny_model, tokenizer, records(7), cache, max_new_tokens=4, batch_size=2)
+        regen.regenerate(regen.transformers_answers(tiny_model, tokenizer, 4, batch_size=2), tokenizer, records(7), cache)
     assert len(cache.read_text().splitlines()) == 4
     with open(cache, "a") as fh:
         fh.write('{"record_id": "id6", "ans')  # a line cut mid-write by the kill
 
     calls.clear()
     monkeypatch.setattr(regen, "generate_answers", lambda *a: calls.append(len(a[2])) or real(*a))
-    out = regen.regenerate(tiny_model, tokenizer, records(7), cache, max_new_tokens=4, batch_size=2)
+    out = regen.regenerate(regen.transformers_answers(tiny_model, tokenizer, 4, batch_size=2), tokenizer, records(7), cache)
     assert calls == [2, 1]  # only the 3 records not done before the kill
     done = regen.read_answers(cache)
     assert sorted(done) == [f"id{i}" for i in range(7)]
@@ -78,13 +81,13 @@ def test_regenerate_resumes_after_a_kill(tiny_model, tokenizer, tmp_path, monkey
         assert r.messages[1]["content"] == done[r.record_id] != "original answer"
 
     calls.clear()
-    regen.regenerate(tiny_model, tokenizer, records(7), cache, max_new_tokens=4, batch_size=2)
+    regen.regenerate(regen.transformers_answers(tiny_model, tokenizer, 4, batch_size=2), tokenizer, records(7), cache)
     assert calls == []  # all done: nothing generated
 
 
 def test_max_records_limits_the_chat_records(tiny_model, tokenizer, tmp_path):
-    out = regen.regenerate(tiny_model, tokenizer, records(5), tmp_path / "r.jsonl", max_new_tokens=3,
-                           batch_size=4, max_records=2)
+    out = regen.regenerate(regen.transformers_answers(tiny_model, tokenizer, 3, batch_size=4), tokenizer, records(5),
+                           tmp_path / "r.jsonl", max_records=2)
     assert [r.record_id for r in out] == ["id0", "id1", "code0"]
     lines = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
     assert sorted(item["record_id"] for item in lines) == ["id0", "id1"]
@@ -151,7 +154,78 @@ def test_regeneration_log_depends_on_the_generation_settings(tmp_path):
 def test_prompts_too_long_for_max_length_are_not_regenerated(tiny_model, tokenizer, tmp_path):
     lengths = regen.prompt_lengths(tokenizer, records(4)[:4])
     limit = sorted(lengths)[1]  # two prompts fit
-    out = regen.regenerate(tiny_model, tokenizer, records(4), tmp_path / "r.jsonl", max_new_tokens=2,
-                           batch_size=4, max_prompt_tokens=limit)
+    out = regen.regenerate(regen.transformers_answers(tiny_model, tokenizer, 2, batch_size=4), tokenizer, records(4),
+                           tmp_path / "r.jsonl", max_prompt_tokens=limit)
     kept = [r.record_id for r in out if r.is_chat]
     assert kept == [f"id{i}" for i, n in enumerate(lengths) if n <= limit] and len(kept) == 2
+
+
+@pytest.mark.skipif(engine_missing() is not None, reason="vLLM is not installed (EYAS_ENGINE=none)")
+def test_prepare_regenerates_through_the_engine_like_hf_generate(tokenizer, tmp_path):
+    """data.regenerate_engine=vllm: the prepare stage starts vLLM on the tiny target, answers every prompt
+    through it (same greedy answers as HF generate, the same log format), stops it, and a rerun with the log
+    complete starts no server at all."""
+    from eyas.data.config import CorpusConfig, DataConfig
+    from eyas.recipe import Recipe
+    from eyas.stages import run_one
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)  # head_dim 64: vLLM's CPU attention has no kernel for the smaller ones
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    tiny_model = LlamaForCausalLM(config).eval()
+    target = tmp_path / "tiny-target"
+    tiny_model.save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    items = [{"conversations": [{"from": "human", "value": f"Question {i}?" + " Really?" * i},
+                                {"from": "gpt", "value": "An original answer that is long enough."}]}
+             for i in range(6)]
+    (tmp_path / "chat.json").write_text(json.dumps(items))
+    recipe = Recipe(output_dir=str(tmp_path / "run"))
+    recipe.target.name_or_path = str(target)
+    recipe.data = DataConfig(corpora=[CorpusConfig(kind="json", path=str(tmp_path / "chat.json"))], regenerate=True,
+                             regenerate_engine="vllm", regenerate_concurrency=4, regenerate_max_new_tokens=8,
+                             validation_fraction=0.5, min_assistant_tokens=1)
+    out = run_one("prepare", recipe)
+    [log] = out.glob("regenerated-*.jsonl")
+    answers = regen.read_answers(log)
+    assert len(answers) == 6 and (out / "vllm-regenerate.log").is_file()
+
+    prompts = [[{"role": "user", "content": it["conversations"][0]["value"]}] for it in items]
+    expected = [a for a, _ in regen.generate_answers(tiny_model, tokenizer, prompts, max_new_tokens=8)]
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert all(row["finish"] in ("eos", "length") for row in rows)
+    # float32 on both sides; another kernel may flip a rare near tie, so most (not all) answers must agree
+    same = sum((Counter(answers.values()) & Counter(expected)).values())
+    assert same >= 5, (sorted(answers.values()), sorted(expected))
+
+    (out / "DONE.json").unlink()  # force prepare to run again: every answer is in the log
+    (out / "vllm-regenerate.log").unlink()
+    run_one("prepare", recipe)
+    assert not (out / "vllm-regenerate.log").exists()  # no server started
+
+
+@pytest.mark.skipif(engine_missing() is not None, reason="vLLM is not installed (EYAS_ENGINE=none)")
+def test_an_engine_that_fails_mid_run_gives_one_line_with_its_reason(tiny_model, tokenizer, tmp_path):
+    """The tiny head_dim-8 target starts in vLLM but its CPU attention refuses the first step: the error's
+    first line names the engine's own reason and the log; the server is stopped; the log file is kept."""
+    from eyas.data.engine import EngineError, VllmServer
+
+    target = tmp_path / "tiny-target"
+    tiny_model.save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    servers = []
+
+    def start_server():
+        servers.append(VllmServer(target, tmp_path, max_model_len=128, log_name="vllm-regenerate.log"))
+        return servers[-1]
+
+    source = regen.engine_answers(start_server, tokenizer, max_new_tokens=4, concurrency=2)
+    with pytest.raises(EngineError) as err:
+        regen.regenerate(source, tokenizer, records(3), tmp_path / "r.jsonl")
+    first = str(err.value).splitlines()[0]
+    assert "a regeneration request failed" in first and "head_dim=8" in first and "vllm-regenerate.log" in first
+    assert servers[0].proc is None  # stopped
+    assert not (tmp_path / "r.jsonl").exists() or regen.read_answers(tmp_path / "r.jsonl") == {}

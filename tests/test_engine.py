@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from eyas.eval.bench import BenchPrompt
-from eyas.eval.engine import EngineError, VllmServer, engine_missing, failure_cause, port_busy, read_metrics
+from eyas.data.engine import EngineError, VllmServer, engine_missing, failure_cause, port_busy
+from eyas.eval.metrics_text import read_metrics
 from eyas.eval.engine_bench import (
     EngineBenchConfig,
     bench_engine,

