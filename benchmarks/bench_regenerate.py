@@ -14,6 +14,7 @@ and how many answers are identical to HF generate's. Writes a JSON and a markdow
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -37,9 +38,7 @@ ENGINES = {  # name -> data-section overrides
 
 
 def run_engine(name: str, recipe, target: Target, records, folder: Path, max_prompt: int) -> dict:
-    cfg = recipe.data
-    for key, value in ENGINES[name].items():
-        setattr(cfg, key, value)
+    cfg = dataclasses.replace(recipe.data, **ENGINES[name])  # each engine from the recipe's own settings
     log = folder / f"{name}.jsonl"
     before = cpu_sample()
     t0 = time.perf_counter()

@@ -163,10 +163,10 @@ class VllmServer:
 
     def failure(self, cause: str) -> EngineError:
         """An EngineError: `cause`, the reason found in the log (if any), the log path and its last lines."""
-        tail = log_tail(self.log_path)
-        found = failure_cause(log_tail(self.log_path, 400))  # the reason may sit above a long traceback
+        rows = log_tail(self.log_path, 400)
+        found = failure_cause(rows)  # searched further back than shown: the reason may sit above a long traceback
         line = f"vLLM server: {cause}" + (f" ({found})" if found else "") + f"; log {self.log_path}"
-        return EngineError("\n".join([line] + ["  | " + row for row in tail]))
+        return EngineError("\n".join([line] + ["  | " + row for row in rows[-LOG_TAIL_LINES:]]))
 
     def _check_inputs(self) -> None:
         missing = engine_missing(self.python)

@@ -23,6 +23,7 @@ import torch
 from tqdm import tqdm
 
 from eyas.data.corpora import Record
+from eyas.data.templates import render_text
 
 # todo records -> lists of {"record_id", "answer", "finish"} as they are generated
 AnswerSource = Callable[[list[Record]], Iterator[list[dict]]]
@@ -32,6 +33,11 @@ def first_turn_prompt(messages: list[dict]) -> list[dict]:
     """Messages before the first assistant turn (system and user)."""
     first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
     return messages[:first]
+
+
+def prompt_text(tokenizer, record: Record) -> str:
+    """The text the target answers: the first turn's messages, chat template, generation prompt."""
+    return render_text(tokenizer, first_turn_prompt(record.messages), add_generation_prompt=True)
 
 
 def read_answers(path: Path) -> dict[str, str]:
@@ -69,7 +75,7 @@ def _append(path: Path, items: list[dict]) -> None:
 def generate_answers(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int,
                      temperature: float = 0.0, seed: int = 0) -> list[tuple[str, str]]:
     """(answer text, "eos"|"length") for a batch of chat prompts, left-padded so all end together."""
-    texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
+    texts = [render_text(tokenizer, p, add_generation_prompt=True) for p in prompts]
     pad_side, tokenizer.padding_side = tokenizer.padding_side, "left"
     try:
         if tokenizer.pad_token_id is None:
@@ -101,8 +107,7 @@ def _stop_ids(model, tokenizer) -> set[int]:
 
 
 def prompt_lengths(tokenizer, records: list[Record]) -> list[int]:
-    texts = [tokenizer.apply_chat_template(first_turn_prompt(r.messages), tokenize=False, add_generation_prompt=True)
-             for r in records]
+    texts = [prompt_text(tokenizer, r) for r in records]
     return [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]] if texts else []
 
 
@@ -134,9 +139,8 @@ def engine_answers(start_server: Callable, tokenizer, max_new_tokens: int, concu
             pool = ThreadPoolExecutor(concurrency)
 
             def one(i: int, record: Record) -> dict:
-                text = tokenizer.apply_chat_template(first_turn_prompt(record.messages), tokenize=False,
-                                                     add_generation_prompt=True)
-                body = {"model": model, "prompt": tokenizer(text, add_special_tokens=False)["input_ids"],
+                ids = tokenizer(prompt_text(tokenizer, record), add_special_tokens=False)["input_ids"]
+                body = {"model": model, "prompt": ids,
                         "max_tokens": max_new_tokens, "temperature": temperature, "seed": seed + i,
                         "skip_special_tokens": True}
                 choice = http_json(server.url + "/v1/completions", body, request_timeout_s)["choices"][0]

@@ -122,7 +122,8 @@ DATA_CODE = ("eyas.data.corpora", "eyas.data.templates", "eyas.data.config", "ey
 
 STAGES: list[Stage] = [
     Stage("prepare", folder="data", sections=("target", "data"), upstream=(),
-          code=DATA_CODE + ("eyas.data.prepare", "eyas.data.regenerate", "eyas.data.engine"), run=_prepare, inputs=_prepare_inputs),
+          code=DATA_CODE + ("eyas.data.prepare", "eyas.data.regenerate", "eyas.data.engine"), run=_prepare,
+          inputs=_prepare_inputs),
     Stage("vocab", folder="vocab", sections=("target", "vocab"), upstream=("prepare",),
           code=("eyas.data.vocab", "eyas.data.config"), run=_vocab),
     Stage("collect", folder="features", sections=("target", "collect"), upstream=("prepare", "vocab"),

@@ -60,16 +60,19 @@ def test_regenerate_resumes_after_a_kill(tiny_model, tokenizer, tmp_path, monkey
         calls.append(len(prompts))
         return real(model, tok, prompts, *args)
 
+    def hf_source():  # HF generate, 4 new tokens, batches of 2
+        return regen.transformers_answers(tiny_model, tokenizer, 4, batch_size=2)
+
     monkeypatch.setattr(regen, "generate_answers", dies_after_two_batches)
     with pytest.raises(KeyboardInterrupt):
-        regen.regenerate(regen.transformers_answers(tiny_model, tokenizer, 4, batch_size=2), tokenizer, records(7), cache)
+        regen.regenerate(hf_source(), tokenizer, records(7), cache)
     assert len(cache.read_text().splitlines()) == 4
     with open(cache, "a") as fh:
         fh.write('{"record_id": "id6", "ans')  # a line cut mid-write by the kill
 
     calls.clear()
     monkeypatch.setattr(regen, "generate_answers", lambda *a: calls.append(len(a[2])) or real(*a))
-    out = regen.regenerate(regen.transformers_answers(tiny_model, tokenizer, 4, batch_size=2), tokenizer, records(7), cache)
+    out = regen.regenerate(hf_source(), tokenizer, records(7), cache)
     assert calls == [2, 1]  # only the 3 records not done before the kill
     done = regen.read_answers(cache)
     assert sorted(done) == [f"id{i}" for i in range(7)]
@@ -81,7 +84,7 @@ def test_regenerate_resumes_after_a_kill(tiny_model, tokenizer, tmp_path, monkey
         assert r.messages[1]["content"] == done[r.record_id] != "original answer"
 
     calls.clear()
-    regen.regenerate(regen.transformers_answers(tiny_model, tokenizer, 4, batch_size=2), tokenizer, records(7), cache)
+    regen.regenerate(hf_source(), tokenizer, records(7), cache)
     assert calls == []  # all done: nothing generated
 
 
