@@ -108,3 +108,34 @@ def test_perfect_draft_has_full_acceptance(parts):
     finally:
         with torch.no_grad():
             head.norm.weight.copy_(saved)
+
+
+def test_draft_losses_are_what_they_say():
+    from eyas.train.loss import draft_loss
+
+    torch.manual_seed(0)
+    logits = torch.randn(5, 11, requires_grad=True)
+    teacher = torch.randn(5, 11).softmax(-1)
+    argmax = teacher.argmax(-1)
+    q = logits.softmax(-1)
+    kl = draft_loss("kl", logits, teacher, argmax)
+    assert torch.allclose(kl, -(teacher * q.log()).sum(-1), atol=1e-6)
+    assert torch.allclose(draft_loss("hard", logits, teacher, argmax), -q.log()[torch.arange(5), argmax], atol=1e-6)
+    lk = draft_loss("lk", logits, teacher, argmax)
+    assert torch.allclose(lk, -torch.minimum(q, teacher).sum(-1).log(), atol=1e-6)
+    assert torch.allclose(draft_loss("kl+lk", logits, teacher, argmax), kl + lk, atol=1e-6)
+    # A draft equal to the teacher is always accepted: lk is 0 there, and positive anywhere else.
+    assert draft_loss("lk", teacher.log(), teacher, argmax).abs().max() < 1e-5 and (lk > 0).all()
+    lk.sum().backward()
+    assert torch.isfinite(logits.grad).all() and logits.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("loss", ["hard", "lk", "kl+lk"])
+def test_every_loss_trains_through_ttt(parts, loss):
+    model, head, batch, teacher = parts
+    w = model.get_input_embeddings().weight
+    out = ttt_loss(head, w, batch, teacher, ttt_steps=3, loss=loss)
+    out.loss.backward()
+    grads = [p.grad for p in head.parameters() if p.grad is not None]
+    assert torch.isfinite(out.loss) and grads and all(torch.isfinite(g).all() for g in grads)
+    head.zero_grad()

@@ -11,6 +11,9 @@ class TrainConfig:
     ttt_steps: int = field(default=7, metadata={"min": 1})
     # Loss weight of TTT step k is this ** k.
     step_weight_decay: float = field(default=0.8, metadata={"gt": 0, "max": 1})
+    # What each position is trained towards (train/loss.py draft_loss): kl (the teacher's distribution),
+    # hard (its argmax), lk (the acceptance probability, -log sum min(p, q)) or kl+lk.
+    loss: Literal["kl", "hard", "lk", "kl+lk"] = "kl"
     epochs: float = field(default=1.0, metadata={"gt": 0})
     max_steps: int | None = field(default=None, metadata={"min": 1})
     batch_size: int = field(default=1, metadata={"min": 1})

@@ -47,15 +47,16 @@ METRICS = "metrics.jsonl"
 class TTTModel(nn.Module):
     """The head plus its loss in forward(), so DDP/FSDP/DeepSpeed see one module call per micro-batch."""
 
-    def __init__(self, head: Eagle3Head, ttt_steps: int, step_weight_decay: float):
+    def __init__(self, head: Eagle3Head, ttt_steps: int, step_weight_decay: float, loss: str = "kl"):
         super().__init__()
         self.head = head
         self.ttt_steps = ttt_steps
         self.step_weight_decay = step_weight_decay
+        self.loss = loss
 
     def forward(self, batch: dict, teacher, embed_weight: torch.Tensor):
         batch = dict(batch, aux=batch["aux"].to(self.head.fc.weight.dtype))
-        out = ttt_loss(self.head, embed_weight, batch, teacher, self.ttt_steps, self.step_weight_decay)
+        out = ttt_loss(self.head, embed_weight, batch, teacher, self.ttt_steps, self.step_weight_decay, self.loss)
         return out.loss, out.counters()
 
 
@@ -224,7 +225,7 @@ def setup(cfg: TrainConfig, head_cfg: HeadConfig, collect_cfg: CollectConfig, ta
     plan = Plan(len(features.datasets["train"]), cfg.batch_size, cfg.grad_accum, accelerator.num_processes,
                 accelerator.process_index, cfg.seed)
     total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * plan.steps_per_epoch))
-    model = TTTModel(head, cfg.ttt_steps, cfg.step_weight_decay)
+    model = TTTModel(head, cfg.ttt_steps, cfg.step_weight_decay, cfg.loss)
     optimizer, scheduler = make_optimizer(model, cfg, total_steps)
     configure_deepspeed(accelerator, cfg, plan)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)

@@ -95,6 +95,29 @@ def soft_cross_entropy(draft_logits: torch.Tensor, teacher_probs: torch.Tensor) 
     return -(teacher_probs * logp).sum(-1)
 
 
+LOSSES = ("kl", "hard", "lk", "kl+lk")
+
+
+def draft_loss(kind: str, draft_logits: torch.Tensor, teacher_probs: torch.Tensor,
+               teacher_argmax: torch.Tensor) -> torch.Tensor:
+    """Per-row training loss of the draft logits against the teacher at the same positions.
+
+    kl     cross-entropy against the teacher's distribution (forward KL up to a constant; EAGLE-3's loss)
+    hard   cross-entropy against the teacher's argmax only (greedy serving accepts exactly that token)
+    lk     -log of the acceptance probability sum_x min(p(x), q(x)) of sampled speculative decoding: the
+           acceptance rate itself, in the negative-log form of the LK losses (whose gradient does not
+           vanish as the plain total-variation distance's does)
+    kl+lk  the sum of the two
+    """
+    if kind == "hard":
+        return torch.nn.functional.cross_entropy(draft_logits.float(), teacher_argmax, reduction="none")
+    out = soft_cross_entropy(draft_logits, teacher_probs) if kind in ("kl", "kl+lk") else 0.0
+    if kind in ("lk", "kl+lk"):
+        accept = torch.minimum(draft_logits.float().softmax(-1), teacher_probs).sum(-1)
+        out = out - accept.clamp_min(1e-6).log()
+    return out
+
+
 def ttt_attention(head: Eagle3Head, q, keys0, values0, step_keys, step_values, causal) -> torch.Tensor:
     """Step-k attention: causal scores against step-0 keys plus one diagonal score per later step.
 
@@ -132,7 +155,7 @@ def shift_right(x: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def ttt_loss(head: Eagle3Head, embed_weight: torch.Tensor, batch: dict, teacher,
-             ttt_steps: int = 7, step_weight_decay: float = 0.8) -> TTTResult:
+             ttt_steps: int = 7, step_weight_decay: float = 0.8, loss: str = "kl") -> TTTResult:
     """The TTT loss of one batch (keys: input_ids, loss_mask, attention_mask, aux, target_in_draft).
 
     `teacher` has logits_at(b, t) -> [N, Vd]: the target's logits over the draft vocab at those positions.
@@ -164,7 +187,7 @@ def ttt_loss(head: Eagle3Head, embed_weight: torch.Tensor, batch: dict, teacher,
         draft_logits = head.logits(hidden[b, t])
         rows = row_of[b, t + k + 1]
         target_argmax = argmax_all[rows]
-        ce = soft_cross_entropy(draft_logits, probs_all[rows])
+        ce = draft_loss(loss, draft_logits, probs_all[rows], target_argmax)
         losses.append(ce.sum() / max(ce.numel(), 1))
         hit = draft_logits.argmax(-1) == target_argmax
         correct.append(hit.sum())
