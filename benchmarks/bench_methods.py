@@ -57,7 +57,8 @@ def train_variant(recipe_name: str, overrides: list[str], head_dir: Path) -> dic
             "val_step": best["step"], "val_acc": best["step_acc"], "val_tau_sim": best["tau_sim"]}
 
 
-def acceptance(recipe_name: str, overrides: list[str], head_dir: Path, n_prompts: int) -> dict:
+def acceptance(recipe_name: str, overrides: list[str], head_dir: Path, n_prompts: int,
+               prompts_file: str | None = None) -> dict:
     """In-repo chain decoding of the held-out prompts with the head at `head_dir`."""
     import dataclasses
 
@@ -74,7 +75,7 @@ def acceptance(recipe_name: str, overrides: list[str], head_dir: Path, n_prompts
     recipe = load_recipe(recipe_name, overrides)
     target = Target.resolve(recipe.target)
     k = alpha_chain_length(recipe)
-    prompts = select_prompts(read_prompts(recipe.stage_dir("data") / "prompts.jsonl"), n_prompts)
+    prompts = select_prompts(read_prompts(Path(prompts_file or recipe.stage_dir("data") / "prompts.jsonl")), n_prompts)
     model = target.load_model()
     head, _ = load_head(head_dir, tokenizer=target.tokenizer, target_vocab_size=target.vocab_size)
     cfg = dataclasses.replace(chain_config(recipe.bench.decoder, k), temperature=0.0)
@@ -93,7 +94,7 @@ def acceptance(recipe_name: str, overrides: list[str], head_dir: Path, n_prompts
 def run_one(args) -> int:
     head_dir = Path(args.out) / args.one
     figures = train_variant(args.recipe, args.overrides + VARIANTS[args.one], head_dir)
-    figures["acceptance"] = acceptance(args.recipe, args.overrides, head_dir / "best", args.prompts)
+    figures["acceptance"] = acceptance(args.recipe, args.overrides, head_dir / "best", args.prompts, args.prompts_file)
     (head_dir / "method.json").write_text(json.dumps({"variant": args.one, "overrides": VARIANTS[args.one], **figures},
                                                      indent=1))
     return 0
@@ -122,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--recipe", default="smollm2-135m-cpu")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--prompts", type=int, default=16, help="held-out prompts decoded per variant")
+    ap.add_argument("--prompts-file", help="held-out prompts JSONL (default: the recipe's data/prompts.jsonl)")
     ap.add_argument("--out", default="runs/bench-methods")
     ap.add_argument("overrides", nargs="*", help="section.key=value for every variant")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: train and measure one variant in this process
@@ -135,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
         result = Path(args.out) / name / "method.json"
         if not result.exists():  # a finished variant is kept: rerun after a kill continues with the next
             subprocess.run([sys.executable, __file__, "--one", name, "--recipe", args.recipe, "--out", args.out,
-                            "--prompts", str(args.prompts), *args.overrides], check=True)
+                            "--prompts", str(args.prompts),
+                            *(["--prompts-file", args.prompts_file] if args.prompts_file else []), *args.overrides],
+                           check=True)
         rows.append(json.loads(result.read_text()))
         print(json.dumps({k: rows[-1][k] for k in ("variant", "train_s", "val_tau_sim")} | {
             "alpha": rows[-1]["acceptance"]["alpha"]}), flush=True)
