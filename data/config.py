@@ -46,6 +46,17 @@ class CorpusConfig:
     # each conversation by the kind of traffic its first request is: chat, code, summarization, creative
     # or reasoning (data/traffic.py), so a mixed corpus gives a held-out set that mixes kinds of traffic.
     category: str | None = None
+    # A request template holding "{text}": each record becomes a one-turn chat request built from its text
+    # (a document's text, HumanEval's prompt, a conversation's first answer), which regeneration answers; e.g.
+    # "Summarize the following text in two sentences.\n\n{text}" turns prose into summarization traffic.
+    # With category null or auto, the request is labelled by its own text. The records share their source's
+    # train/validation split.
+    request: str | None = field(default=None, metadata={"pattern": (r"(?s).*\{text\}.*", 'a template holding "{text}"')})
+    # Only texts of [min, max] characters become requests (a summary of a whole file is another task).
+    request_chars: list[int] | None = field(default=None, metadata={"min": 1, "len": 2})
+    # Regenerate this corpus's answers (null: data.regenerate). false keeps the corpus's own answers, so a
+    # recipe can mix the target's answers with original ones.
+    regenerate: bool | None = None
 
 
 @dataclass
@@ -76,7 +87,12 @@ class DataConfig:
     # Only prompts of at most this many tokens are regenerated (the others are dropped); null: any prompt
     # that leaves room for an answer within max_length. Short prompts make regeneration much cheaper.
     regenerate_max_prompt_tokens: int | None = field(default=None, metadata={"min": 1})
-    # Held-out prompts written to data/prompts.jsonl, per category, taken from the validation split.
+    # Shares of the kinds of traffic among the records regenerated (up to regenerate_max_records), e.g.
+    # {chat: 0.4, code: 0.2, summarization: 0.1, creative: 0.15, reasoning: 0.15}; null: corpus order. A kind
+    # with too few records leaves its share to the others; kinds not named are not regenerated.
+    category_mix: dict[str, float] | None = field(default=None, metadata={"min": 0})
+    # Held-out prompts written to data/prompts.jsonl, per category, taken from the validation split: every
+    # validation record whose prompt fits (regenerated or not: the bench needs prompts, not answers).
     prompts_per_category: int = field(default=64, metadata={"min": 1})
     seed: int = 0
 
@@ -97,6 +113,11 @@ class VocabConfig:
     # When the training data holds fewer distinct tokens than draft_vocab_size: false is an error,
     # true shrinks the draft vocabulary to the distinct tokens (never padded with unseen ids).
     shrink_to_distinct: bool = False
+    # Past the tokens the training answers use, fill the draft vocabulary with the tokens most frequent in
+    # the corpora's original answers and documents (data/reference_counts.safetensors): a few hundred
+    # answers leave many of the target's later tokens unseen, and a token outside the draft vocabulary is
+    # never accepted. Its lm_head row starts from the target's (head.init_lm_head_from_target).
+    fill_from_corpora: bool = False
     # Validation positions on which the target's argmax is computed for the coverage report; 0 skips it.
     argmax_positions: int = field(default=2048, metadata={"min": 0})
     argmax_batch_size: int = field(default=8, metadata={"min": 1})

@@ -364,7 +364,37 @@ def read_corpus(cfg: CorpusConfig, max_turns: int | None = None) -> tuple[list[R
                 records.append(Record("", str(file), category, completion=text))
     for r in records:
         r.record_id = content_hash(r)[:20]
+    if cfg.request:
+        records = as_requests(records, cfg, stats)
     return records, stats
+
+
+def request_text(record: Record) -> str:
+    """What a request template wraps: a document's text, HumanEval's prompt, a conversation's first answer."""
+    if record.is_chat:
+        return next(m["content"] for m in record.messages if m["role"] == "assistant")
+    return record.prompt or record.completion
+
+
+def as_requests(records: list[Record], cfg: CorpusConfig, stats: CorpusStats) -> list[Record]:
+    """One-turn chat requests `cfg.request` built from each record's text (regeneration answers them).
+
+    The id is `<source id>~<template hash>`: the same text under two templates gives two records, and
+    `split_of` puts each in its source's split, so no text is trained on in one split and asked about in the other.
+    """
+    low, high = cfg.request_chars or (1, None)
+    tag = hashlib.sha256(cfg.request.encode()).hexdigest()[:6]
+    out = []
+    for r in records:
+        text = request_text(r).strip()
+        if len(text) < low or (high is not None and len(text) > high):
+            stats.skip("request_text_length", f"{r.source}: record {r.record_id} ({len(text)} characters)")
+            continue
+        request = cfg.request.replace("{text}", text)
+        category = traffic_kind(request) if cfg.category in (None, "auto") else cfg.category
+        out.append(Record(f"{r.record_id}~{tag}", r.source, category,
+                          messages=[{"role": "user", "content": request}]))
+    return out
 
 
 def dedup(records: list[Record], stats: CorpusStats, seen: set[str]) -> list[Record]:
@@ -379,8 +409,10 @@ def dedup(records: list[Record], stats: CorpusStats, seen: set[str]) -> list[Rec
 
 
 def split_of(record_id: str, validation_fraction: float) -> str:
-    """Split from the content hash alone, so a record never changes split when the corpus grows."""
-    bucket = int(hashlib.sha256(("split:" + record_id).encode()).hexdigest()[:12], 16) / float(1 << 48)
+    """Split from the content hash alone, so a record never changes split when the corpus grows. A record
+    derived from another (`<source id>~<how>`, see `as_requests`) goes where its source goes."""
+    source = record_id.split("~", 1)[0]
+    bucket = int(hashlib.sha256(("split:" + source).encode()).hexdigest()[:12], 16) / float(1 << 48)
     return "validation" if bucket < validation_fraction else "train"
 
 

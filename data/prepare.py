@@ -5,6 +5,9 @@
     data/prompts.jsonl    held-out prompts from validation, ending right before an assistant turn
     data/stats.json       records in/out per reason per corpus, tokens, masked tokens
     data/regenerated-<settings hash>.jsonl  the target's answers when data.regenerate (resume log)
+    data/reference_counts.safetensors  `counts` int64 [target vocab]: tokens of the corpora's original answers
+                          and documents (train split, before regeneration): the vocab stage fills the draft
+                          vocabulary from these past the tokens the training answers use
     data/DONE.json        hash of the inputs, written last (by the stage runner, data/stage.py)
 """
 
@@ -18,15 +21,17 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable
 
-from eyas.data.atomic import atomic_write_text
+from eyas.data.atomic import atomic_write, atomic_write_text
 from eyas.data.config import DataConfig
 from eyas.data.corpora import CorpusError, CorpusStats, Record, dedup, read_corpus, select, split_of
-from eyas.data.regenerate import AnswerSource, engine_answers, regenerate, transformers_answers
+from eyas.data.regenerate import (AnswerSource, engine_answers, first_turn_prompt, prompt_lengths, regenerate,
+                                  transformers_answers)
 from eyas.data.stage import hash_json
 from eyas.data.targets import Target, pick_device, pick_dtype
 from eyas.data.templates import Sample, parent_id, render_records
 
 COLUMNS = ("input_ids", "loss_mask", "source", "record_id", "category")
+REFERENCE_COUNTS = "reference_counts.safetensors"
 
 
 def load_corpora(cfg: DataConfig) -> list[tuple[CorpusStats, list[Record]]]:
@@ -41,9 +46,41 @@ def load_corpora(cfg: DataConfig) -> list[tuple[CorpusStats, list[Record]]]:
     return groups
 
 
+def reference_counts(tokenizer, groups, vocab_size: int, validation_fraction: float, block: int = 256):
+    """Token counts of the original answers (chat) and documents of the train-split records, as read.
+
+    The target's own answers to a few hundred prompts use only a few thousand distinct tokens; these counts,
+    over every record read (also the ones not regenerated), rank the tokens the draft vocabulary adds past those.
+    """
+    import numpy as np
+
+    texts = []
+    for _, found in groups:
+        for r in found:
+            if split_of(r.record_id, validation_fraction) != "train":
+                continue
+            texts += [m["content"] for m in r.messages if m["role"] == "assistant"] if r.is_chat else [r.completion]
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for start in range(0, len(texts), block):
+        for ids in tokenizer(texts[start:start + block], add_special_tokens=False)["input_ids"]:
+            ids = np.asarray(ids, dtype=np.int64)
+            counts += np.bincount(ids[ids < vocab_size], minlength=vocab_size)
+    return counts
+
+
+def save_reference_counts(counts, path: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    tensors = {"counts": torch.from_numpy(counts)}
+    atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
+
+
 def regeneration_log(cfg: DataConfig, target: Target, out: Path) -> Path:
     """The resume log, one per target and generation settings, so changed settings never reuse old answers."""
-    settings = [hash_json(target.cfg), target.hash, cfg.regenerate_max_new_tokens, cfg.regenerate_temperature,
+    # Every target setting but the aux layers (which only collection reads) can change the answers.
+    generation = {k: v for k, v in vars(target.cfg).items() if k != "aux_layer_ids"}
+    settings = [hash_json(generation), target.hash, cfg.regenerate_max_new_tokens, cfg.regenerate_temperature,
                 cfg.seed]
     if cfg.regenerate_engine != "transformers":  # another engine's numerics: other greedy answers
         settings += [cfg.regenerate_engine, engine_dtype(cfg, target)]
@@ -81,49 +118,70 @@ def answer_source(cfg: DataConfig, target: Target, out: Path, max_prompt: int,
     return answers
 
 
+def regenerates(cfg: DataConfig, corpus) -> bool:
+    return cfg.regenerate if corpus.regenerate is None else corpus.regenerate
+
+
+def max_prompt_tokens(cfg: DataConfig) -> int:
+    """The longest prompt answered (and held out): room for min_assistant_tokens, and the regeneration cap."""
+    longest = cfg.max_length - cfg.min_assistant_tokens
+    if cfg.regenerate_max_prompt_tokens is not None:
+        longest = min(longest, cfg.regenerate_max_prompt_tokens)
+    return longest
+
+
 def regenerate_groups(cfg: DataConfig, target: Target, groups, out: Path,
                       tune_for_rows: Callable | None = None) -> list[tuple[CorpusStats, list[Record]]]:
-    records = [r for _, found in groups for r in found]
-    max_prompt = cfg.max_length - cfg.min_assistant_tokens
-    if cfg.regenerate_max_prompt_tokens is not None:
-        max_prompt = min(max_prompt, cfg.regenerate_max_prompt_tokens)
+    """The corpora that regenerate get the target's answers (their other chat records are dropped); the rest
+    keep their own."""
+    chosen = [regenerates(cfg, corpus) for corpus in cfg.corpora]
+    records = [r for (_, found), regen in zip(groups, chosen) if regen for r in found]
+    max_prompt = max_prompt_tokens(cfg)
     source = answer_source(cfg, target, out, max_prompt, tune_for_rows)
     answered = {r.record_id: r for r in regenerate(source, target.tokenizer, records,
                                                    regeneration_log(cfg, target, out), cfg.regenerate_max_records,
-                                                   max_prompt_tokens=max_prompt)}
-    return [(stats, [answered[r.record_id] for r in found if r.record_id in answered]) for stats, found in groups]
+                                                   max_prompt_tokens=max_prompt, category_mix=cfg.category_mix)}
+    return [(stats, [answered[r.record_id] for r in found if r.record_id in answered] if regen else found)
+            for (stats, found), regen in zip(groups, chosen)]
 
 
-def check_usable(stats: CorpusStats, cfg: DataConfig) -> None:
+def check_usable(stats: CorpusStats, cfg: DataConfig, corpus) -> None:
     """A corpus that yields no sample is an error at prepare (an empty file, a folder of binaries, ...)."""
     if stats.samples:
         return
     reasons = {**stats.skipped, **stats.render_skipped}
     why = ", ".join(f"{k} {v}" for k, v in sorted(reasons.items())) or "none skipped"
-    hint = " (data.regenerate is on: only records the target answered count)" if cfg.regenerate else ""
+    hint = (" (regeneration is on: only records the target answered count)" if regenerates(cfg, corpus) else
+            " (requests need the target's answers: regenerate this corpus)" if corpus.request else "")
     raise CorpusError(f"{stats.source}: no usable records: read {stats.read}, kept {stats.kept}, "
                       f"samples 0 ({why}){hint}")
 
 
-def held_out_prompts(samples: list[Sample], records: dict[str, Record], tokenizer, per_category: int) -> list[dict]:
-    """Prompts from validation records: chat up to the first answer; code, its real prompt (HumanEval)
-    or else the first half of a document piece. Records with a real prompt are taken first."""
+def held_out_prompts(read: list[Record], samples: list[Sample], records: dict[str, Record], tokenizer,
+                     per_category: int, max_prompt: int, validation_fraction: float) -> list[dict]:
+    """Up to `per_category` prompts per kind of traffic from the validation split, in this order: every chat
+    record read (answered by the target or not: the bench needs only the prompt) whose first turn fits in
+    `max_prompt` tokens, up to that turn; then documents with a real prompt (HumanEval); then the first half
+    of a validation document piece."""
     prompts, taken = [], Counter()
-    pieces_last = sorted(samples, key=lambda s: "#" in s.record_id)
-    for s in pieces_last:
-        if taken[s.category] >= per_category:
-            continue
+
+    def take(item: dict, category: str, record_id: str) -> None:
+        if taken[category] < per_category:
+            prompts.append({**item, "category": category, "record_id": record_id})
+            taken[category] += 1
+
+    chat = [r for r in read if r.is_chat and split_of(r.record_id, validation_fraction) == "validation"]
+    for r, length in zip(chat, prompt_lengths(tokenizer, chat)):
+        if length <= max_prompt:
+            take({"messages": first_turn_prompt(r.messages)}, r.category, r.record_id)
+    for s in sorted((s for s in samples if not records[parent_id(s.record_id)].is_chat),
+                    key=lambda s: "#" in s.record_id):
         record = records[parent_id(s.record_id)]
-        if record.is_chat:
-            first = next(i for i, m in enumerate(record.messages) if m["role"] == "assistant")
-            item = {"messages": record.messages[:first]}
-        elif record.prompt:
-            item = {"prompt": record.prompt}
+        if record.prompt:
+            take({"prompt": record.prompt}, s.category, s.record_id)
         else:
-            item = {"prompt": tokenizer.decode(s.input_ids[:max(1, min(256, len(s.input_ids) // 2))],
-                                               skip_special_tokens=True)}
-        prompts.append({**item, "category": s.category, "record_id": s.record_id})
-        taken[s.category] += 1
+            take({"prompt": tokenizer.decode(s.input_ids[:max(1, min(256, len(s.input_ids) // 2))],
+                                             skip_special_tokens=True)}, s.category, s.record_id)
     return prompts
 
 
@@ -166,16 +224,19 @@ def prepare(cfg: DataConfig, target: Target, out: Path, tune_for_rows: Callable 
     t0 = time.time()
     groups = load_corpora(cfg)
     tokenizer = target.tokenizer
-    if cfg.regenerate:
+    save_reference_counts(reference_counts(tokenizer, groups, target.vocab_size, cfg.validation_fraction),
+                          out / REFERENCE_COUNTS)
+    read = groups
+    if any(regenerates(cfg, corpus) for corpus in cfg.corpora):
         groups = regenerate_groups(cfg, target, groups, out, tune_for_rows)
     t_read = time.time()
 
     samples: list[Sample] = []
-    for stats, found in groups:
+    for (stats, found), corpus in zip(groups, cfg.corpora):
         rendered = render_records(tokenizer, found, cfg.max_length, cfg.overflow, cfg.min_assistant_tokens,
                                   stats.render_skipped)
         stats.samples = len(rendered)
-        check_usable(stats, cfg)
+        check_usable(stats, cfg, corpus)
         samples += rendered
     t_render = time.time()
     splits: dict[str, list[Sample]] = {"train": [], "validation": []}
@@ -188,7 +249,8 @@ def prepare(cfg: DataConfig, target: Target, out: Path, tune_for_rows: Callable 
 
     save_dataset(splits, out)
     by_id = {r.record_id: r for _, found in groups for r in found}
-    prompts = held_out_prompts(splits["validation"], by_id, tokenizer, cfg.prompts_per_category)
+    prompts = held_out_prompts([r for _, found in read for r in found], splits["validation"], by_id, tokenizer,
+                               cfg.prompts_per_category, max_prompt_tokens(cfg), cfg.validation_fraction)
     atomic_write_text(out / "prompts.jsonl", "".join(json.dumps(p, ensure_ascii=False) + "\n" for p in prompts))
     stats = {
         "corpora": [stats.to_dict() for stats, _ in groups],

@@ -30,8 +30,8 @@ AnswerSource = Callable[[list[Record]], Iterator[list[dict]]]
 
 
 def first_turn_prompt(messages: list[dict]) -> list[dict]:
-    """Messages before the first assistant turn (system and user)."""
-    first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    """Messages before the first assistant turn (system and user); all of a request that has no answer yet."""
+    first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
     return messages[:first]
 
 
@@ -160,12 +160,44 @@ def engine_answers(start_server: Callable, tokenizer, max_new_tokens: int, concu
     return answers
 
 
+def take_mix(records: list[Record], n: int | None, mix: dict[str, float] | None) -> list[Record]:
+    """The first `n` records (all when None), or with `mix`, shares of them per category (largest remainder),
+    the first ones of each category in order; a category short of its share leaves the rest to the others in
+    proportion to theirs, and categories the mix does not name are left out."""
+    if not mix:
+        return records if n is None else records[:n]
+    by_cat: dict[str, list[Record]] = {}
+    for r in records:
+        if mix.get(r.category, 0) > 0:
+            by_cat.setdefault(r.category, []).append(r)
+    n = sum(len(v) for v in by_cat.values()) if n is None else n
+    quota = {c: 0 for c in by_cat}
+    while sum(quota.values()) < n:
+        open_cats = [c for c in by_cat if quota[c] < len(by_cat[c])]
+        if not open_cats:
+            break
+        left = n - sum(quota.values())
+        total = sum(mix[c] for c in open_cats)
+        exact = {c: left * mix[c] / total for c in open_cats}
+        grant = {c: min(int(exact[c]), len(by_cat[c]) - quota[c]) for c in open_cats}
+        if not any(grant.values()):  # fewer left than categories: the largest remainders
+            grant = {c: 0 for c in open_cats}
+            for c in sorted(open_cats, key=lambda c: -(exact[c] - int(exact[c])))[:left]:
+                grant[c] = 1
+        for c, g in grant.items():
+            quota[c] += g
+    chosen = {id(r) for c, rs in by_cat.items() for r in rs[:quota[c]]}
+    return [r for r in records if id(r) in chosen]
+
+
 def regenerate(answer_source: AnswerSource, tokenizer, records: list[Record], cache: Path,
-               max_records: int | None = None, max_prompt_tokens: int | None = None) -> list[Record]:
+               max_records: int | None = None, max_prompt_tokens: int | None = None,
+               category_mix: dict[str, float] | None = None) -> list[Record]:
     """Chat records with their first answer replaced by the target's; empty answers drop the record.
 
     Prompts longer than `max_prompt_tokens` are not regenerated (and dropped): their answer would
     fall past max_length, and one long prompt in a left-padded batch multiplies everyone's cost.
+    `category_mix` (shares per category) chooses which of the rest are answered (`take_mix`).
     `answer_source` is called only when some record is still without an answer in `cache`.
     """
     cache = Path(cache)
@@ -174,8 +206,7 @@ def regenerate(answer_source: AnswerSource, tokenizer, records: list[Record], ca
     lengths = dict(zip((r.record_id for r in chat), prompt_lengths(tokenizer, chat)))
     if max_prompt_tokens is not None:
         chat = [r for r in chat if lengths[r.record_id] <= max_prompt_tokens]
-    if max_records is not None:
-        chat = chat[:max_records]
+    chat = take_mix(chat, max_records, category_mix)
     drop_partial_line(cache)
     done = read_answers(cache)
     todo = [r for r in chat if r.record_id not in done]

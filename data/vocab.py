@@ -57,6 +57,26 @@ def ranked_ids(counts: np.ndarray) -> np.ndarray:
     return seen[np.lexsort((seen, -counts[seen]))]
 
 
+def fill_ranking(ranked: np.ndarray, reference: np.ndarray) -> np.ndarray:
+    """`ranked`, then the ids it lacks that `reference` counts, most frequent first (ties by id)."""
+    rest = reference.copy()
+    rest[ranked] = 0
+    return np.concatenate([ranked, ranked_ids(rest)])
+
+
+def read_reference_counts(data_dir: Path, vocab_size: int) -> np.ndarray:
+    from eyas.data.prepare import REFERENCE_COUNTS
+
+    path = data_dir / REFERENCE_COUNTS
+    if not path.exists():
+        raise VocabError(f"{path} does not exist (vocab.fill_from_corpora reads it); rerun `eyas prepare`")
+    counts = load_file(str(path)).get("counts")
+    if counts is None or counts.dim() != 1 or counts.numel() != vocab_size:
+        raise VocabError(f"{path}: tensor 'counts' must be 1-d with {vocab_size} entries (the target's vocabulary), "
+                         f"got {None if counts is None else tuple(counts.shape)}; rerun `eyas prepare`")
+    return counts.numpy().astype(np.int64)
+
+
 def coverage(counts: np.ndarray, kept: np.ndarray) -> float | None:
     total = counts.sum()
     return float(counts[kept].sum() / total) if total else None
@@ -149,7 +169,8 @@ def target_argmax_counts(target: Target, split, vocab_size: int, max_positions: 
 
 # ---- the stage --------------------------------------------------------------------------------
 
-def choose_size(cfg, distinct: int, table: list[dict], data_dir: Path) -> int:
+def choose_size(cfg, distinct: int, table: list[dict], data_dir: Path,
+                what: str = "the training split holds {n} distinct masked tokens") -> int:
     size = cfg.draft_vocab_size
     if cfg.coverage_target is not None:
         key = "validation" if table[0]["validation"] is not None else "train"
@@ -161,7 +182,7 @@ def choose_size(cfg, distinct: int, table: list[dict], data_dir: Path) -> int:
         size = min(reached)
     if distinct < size:
         if not cfg.shrink_to_distinct:
-            raise VocabError(f"{data_dir}: the training split holds {distinct} distinct masked tokens, fewer than "
+            raise VocabError(f"{data_dir}: {what.format(n=distinct)}, fewer than "
                              f"the draft vocabulary size {size}. Use a smaller vocab.draft_vocab_size, more data, "
                              "or vocab.shrink_to_distinct=true")
         size = distinct
@@ -230,8 +251,13 @@ def build_vocab(cfg: VocabConfig, target: Target, data_dir: Path, out: Path) -> 
     if counts["train"].sum() == 0:
         raise VocabError(f"{data_dir}/train: no masked tokens to build a vocabulary from")
     ranked = ranked_ids(counts["train"])
+    distinct_train = len(ranked)
+    if cfg.fill_from_corpora:
+        ranked = fill_ranking(ranked, read_reference_counts(data_dir, vocab_size))
     sizes = list(cfg.sizes) + [cfg.draft_vocab_size]
-    size = choose_size(cfg, len(ranked), coverage_table(sizes, ranked, counts), data_dir)
+    what = ("the training split's masked tokens and the corpora's original text hold {n} distinct tokens"
+            if cfg.fill_from_corpora else "the training split holds {n} distinct masked tokens")
+    size = choose_size(cfg, len(ranked), coverage_table(sizes, ranked, counts), data_dir, what)
     # The target's argmax is the costly part; it comes after the size is known to be valid.
     if cfg.argmax_positions > 0 and len(data["validation"]):
         counts["target_argmax"] = target_argmax_counts(target, data["validation"], vocab_size,
@@ -241,7 +267,8 @@ def build_vocab(cfg: VocabConfig, target: Target, data_dir: Path, out: Path) -> 
 
     save_vocab(out / VOCAB_FILE, d2t, t2d)
     totals = {k: int(c.sum()) for k, c in counts.items()}
-    report = {"draft_vocab_size": size, "target_vocab_size": vocab_size, "distinct_train_tokens": int(len(ranked)),
+    report = {"draft_vocab_size": size, "target_vocab_size": vocab_size, "distinct_train_tokens": distinct_train,
+              "filled_from_corpora": max(0, size - distinct_train) if cfg.fill_from_corpora else 0,
               "coverage_target": cfg.coverage_target, "masked_tokens": totals, "table": table}
     atomic_write_text(out / "coverage.json", json.dumps(report, indent=2))
     atomic_write_text(out / "coverage.md", coverage_markdown(table, size, totals))

@@ -235,3 +235,30 @@ def test_bad_chitchat_and_humaneval_records_are_named(tmp_path):
     path.write_text(json.dumps({"task_id": "t", "prompt": "def f():\n"}) + "\n")
     with pytest.raises(CorpusError, match=r"he.jsonl: line 1: missing field 'canonical_solution'"):
         read_corpus(CorpusConfig(kind="humaneval", path=str(path)))
+
+
+def test_requests_from_documents_share_their_source_split(tmp_path):
+    """HumanEval prompts and ShareGPT answers as chat requests: labelled, length-filtered, split like the source."""
+    from eyas.data.corpora import read_corpus
+
+    template = "Complete this Python function.\n\n```python\n{text}```"
+    base, _ = read_corpus(CorpusConfig(kind="humaneval"))
+    reqs, stats = read_corpus(CorpusConfig(kind="humaneval", request=template))
+    assert len(reqs) == len(base) == 164 and all(r.is_chat and len(r.messages) == 1 for r in reqs)
+    assert reqs[0].messages[0]["content"] == template.replace("{text}", base[0].prompt.strip())
+    assert {r.category for r in reqs} == {"code"}  # auto: labelled by the request's own text
+    for src, req in zip(base, reqs):
+        assert req.record_id.startswith(src.record_id + "~")
+        assert split_of(req.record_id, 0.3) == split_of(src.record_id, 0.3)
+    assert len({split_of(r.record_id, 0.3) for r in reqs}) == 2
+
+    path = tmp_path / "chat.json"
+    answers = ["short", "a medium answer " * 5, "x" * 500]
+    path.write_text(json.dumps([{"conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": a}]}
+                                for i, a in enumerate(answers)]))
+    summ, stats = read_corpus(CorpusConfig(kind="json", path=str(path), request="Summarize this.\n\n{text}",
+                                           request_chars=[20, 200]))
+    assert [r.messages[0]["content"] for r in summ] == ["Summarize this.\n\n" + answers[1].strip()]
+    assert summ[0].category == "summarization" and stats.skipped["request_text_length"] == 2
+    other, _ = read_corpus(CorpusConfig(kind="json", path=str(path), request="Explain: {text}", category="chat"))
+    assert {r.category for r in other} == {"chat"} and other[0].record_id != summ[0].record_id

@@ -232,3 +232,82 @@ def test_an_engine_that_fails_mid_run_gives_one_line_with_its_reason(tiny_model,
     assert "a regeneration request failed" in first and "head_dim=8" in first and "vllm-regenerate.log" in first
     assert servers[0].proc is None  # stopped
     assert not (tmp_path / "r.jsonl").exists() or regen.read_answers(tmp_path / "r.jsonl") == {}
+
+
+def categorised(counts: dict[str, int]) -> list[Record]:
+    out = []
+    for cat, n in counts.items():
+        out += [Record(f"{cat}{i}", "s", cat, messages=[{"role": "user", "content": f"{cat} {i}"}]) for i in range(n)]
+    return out
+
+
+def test_take_mix_keeps_shares_and_passes_a_short_category_on():
+    recs = categorised({"chat": 50, "code": 50, "reasoning": 3, "other": 9})
+    mix = {"chat": 0.5, "code": 0.3, "reasoning": 0.2}
+    got = Counter(r.category for r in regen.take_mix(recs, 20, mix))
+    # reasoning has 3 of its 4: the missing one goes to chat and code in proportion; "other" is not in the mix.
+    assert got == {"chat": 11, "code": 6, "reasoning": 3}
+    assert [r.record_id for r in regen.take_mix(recs, 20, mix) if r.category == "chat"] == [f"chat{i}" for i in range(11)]
+    assert Counter(r.category for r in regen.take_mix(recs, 10, {"chat": 1, "code": 1})) == {"chat": 5, "code": 5}
+    assert len(regen.take_mix(recs, 1000, mix)) == 103  # fewer than asked: every record of the mix
+    assert regen.take_mix(recs, 4, None) == recs[:4] and regen.take_mix(recs, None, None) == recs
+
+
+def test_requests_without_an_answer_are_answered_whole(tiny_model, tokenizer, tmp_path):
+    reqs = categorised({"summarization": 2})
+    assert regen.first_turn_prompt(reqs[0].messages) == reqs[0].messages
+    out = regen.regenerate(regen.transformers_answers(tiny_model, tokenizer, 3, batch_size=4), tokenizer, reqs,
+                           tmp_path / "r.jsonl")
+    assert [m["role"] for m in out[0].messages] == ["user", "assistant"] and out[0].messages[0] == reqs[0].messages[0]
+
+
+def test_prepare_mixes_regenerated_and_original_answers_and_holds_out_unanswered_prompts(tiny_model, tokenizer,
+                                                                                         tmp_path):
+    """One corpus answered by the target (a budget of 4 of its 12 records), one keeping its own answers; the
+    held-out prompts come from every validation record, answered or not; reference counts cover the train split."""
+    from datasets import load_from_disk
+    from safetensors.torch import load_file
+
+    from eyas.data.config import CorpusConfig, DataConfig
+    from eyas.data.corpora import read_corpus, split_of
+    from eyas.data.prepare import REFERENCE_COUNTS
+    from eyas.recipe import Recipe
+    from eyas.stages import run_one
+
+    target = tmp_path / "tiny-target"
+    tiny_model.save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    for name in ("a", "b"):
+        items = [{"conversations": [{"from": "human", "value": f"Corpus {name} question {i}?"},
+                                    {"from": "gpt", "value": f"Original answer {name}{i} about zebras and quartz."}]}
+                 for i in range(12)]
+        (tmp_path / f"{name}.json").write_text(json.dumps(items))
+    recipe = Recipe(output_dir=str(tmp_path / "run"))
+    recipe.target.name_or_path = str(target)
+    recipe.data = DataConfig(corpora=[CorpusConfig(kind="json", path=str(tmp_path / "a.json")),
+                                      CorpusConfig(kind="json", path=str(tmp_path / "b.json"), regenerate=False)],
+                             regenerate=True, regenerate_max_records=4, regenerate_max_new_tokens=6,
+                             regenerate_batch_size=4, validation_fraction=0.3, min_assistant_tokens=1)
+    out = run_one("prepare", recipe)
+    data = load_from_disk(str(out))
+    rows = [row for split in data.values() for row in split]
+    texts = [tokenizer.decode(r["input_ids"]) for r in rows]
+    assert sum("Original answer a" in t for t in texts) == 0 and sum("Corpus a" in t for t in texts) == 4
+    assert sum("Original answer b" in t for t in texts) == 12  # the second corpus keeps its own answers
+
+    prompts = [json.loads(line) for line in (out / "prompts.jsonl").read_text().splitlines()]
+    questions = {p["messages"][0]["content"] for p in prompts}
+    assert all(split_of(p["record_id"], 0.3) == "validation" for p in prompts)
+    # Validation records of corpus a that the target did not answer are held-out prompts too.
+    val_a = [i for i in range(12) if any(p["messages"][0]["content"] == f"Corpus a question {i}?" for p in prompts)]
+    answered_val = [r for r in data["validation"] if "Corpus a" in tokenizer.decode(r["input_ids"])]
+    assert len(val_a) > len(answered_val) and len(questions) == len(prompts)
+
+    counts = load_file(str(out / REFERENCE_COUNTS))["counts"]
+    expected = torch.zeros(tiny_model.config.vocab_size, dtype=torch.long)
+    for corpus in recipe.data.corpora:
+        for r in read_corpus(corpus)[0]:
+            if split_of(r.record_id, 0.3) == "train":  # originals of both corpora, validation left out
+                ids = tokenizer(r.messages[1]["content"], add_special_tokens=False)["input_ids"]
+                expected += torch.bincount(torch.tensor(ids), minlength=len(expected))
+    assert torch.equal(counts, expected) and 0 < counts.sum() < 24 * 12

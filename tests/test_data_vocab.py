@@ -141,3 +141,41 @@ def test_run_vocab_names_a_missing_column(tmp_path):
     (data_dir / "DONE.json").write_text('{"input_hash": "x"}')
     with pytest.raises(VocabError, match="data/train: missing column 'loss_mask'"):
         run_one("vocab", recipe)
+
+
+def test_fill_from_corpora_adds_the_corpus_tokens_after_the_trained_ones(prepared):
+    from datasets import load_from_disk
+
+    from eyas.data.prepare import REFERENCE_COUNTS
+    from eyas.data.vocab import fill_ranking
+
+    assert fill_ranking(np.array([5, 2]), np.array([0, 3, 9, 1, 0, 7])).tolist() == [5, 2, 1, 3]
+    recipe = prepared
+    data_dir = recipe.stage_dir("data")
+    from safetensors.torch import load_file
+
+    written = load_file(str(data_dir / REFERENCE_COUNTS))["counts"]
+    assert written.shape == (49152,) and written.sum() > 0  # prepare wrote the corpora's counts
+    train = load_from_disk(str(data_dir))["train"]
+    seen = np.unique(np.concatenate([np.asarray(i)[np.asarray(m, bool)] for i, m in zip(train["input_ids"],
+                                                                                          train["loss_mask"])]))
+    unseen = np.setdiff1d(np.arange(49152), seen)[[10, 20, 30]]
+    reference = torch.zeros(49152, dtype=torch.long)
+    reference[torch.as_tensor(unseen)] = torch.tensor([5, 9, 1])
+    reference[int(seen[0])] = 1000  # a token the answers use keeps its place among those
+    save_file({"counts": reference}, str(data_dir / REFERENCE_COUNTS))
+    try:
+        recipe.vocab = VocabConfig(draft_vocab_size=len(seen) + 2, sizes=[64], argmax_positions=0,
+                                   fill_from_corpora=True)
+        out = run_one("vocab", recipe)
+        _, t2d = load_vocab(out)
+        assert t2d[torch.as_tensor(seen)].all() and t2d[int(unseen[1])] and t2d[int(unseen[0])]
+        assert not t2d[int(unseen[2])] and int(t2d.sum()) == len(seen) + 2
+        report = json.loads((out / "coverage.json").read_text())
+        assert report["filled_from_corpora"] == 2 and report["distinct_train_tokens"] == len(seen)
+        recipe.vocab = VocabConfig(draft_vocab_size=len(seen) + 9, sizes=[64], argmax_positions=0,
+                                   fill_from_corpora=True)
+        with pytest.raises(VocabError, match=f"original text hold {len(seen) + 3} distinct tokens, fewer than"):
+            run_one("vocab", recipe)
+    finally:
+        save_file({"counts": written}, str(data_dir / REFERENCE_COUNTS))
