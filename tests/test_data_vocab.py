@@ -179,3 +179,13 @@ def test_fill_from_corpora_adds_the_corpus_tokens_after_the_trained_ones(prepare
             run_one("vocab", recipe)
     finally:
         save_file({"counts": written}, str(data_dir / REFERENCE_COUNTS))
+
+
+def test_fill_from_corpora_needs_the_counts_prepare_writes(tmp_path):
+    from eyas.data.vocab import read_reference_counts
+
+    with pytest.raises(VocabError, match=r"reference_counts.safetensors does not exist .*rerun `eyas prepare`"):
+        read_reference_counts(tmp_path, 8)
+    save_file({"counts": torch.zeros(5, dtype=torch.long)}, str(tmp_path / "reference_counts.safetensors"))
+    with pytest.raises(VocabError, match=r"tensor 'counts' must be 1-d with 8 entries .* got \(5,\)"):
+        read_reference_counts(tmp_path, 8)
