@@ -36,6 +36,11 @@ VARIANTS = {
     "lr-1.2e-3": ["train.lr=1.2e-3"],
     "fp32": ["train.mixed_precision=fp32"],
     "bf16": ["train.mixed_precision=bf16"],
+    # What each position is trained towards (train/loss.py draft_loss).
+    "loss-hard": ["train.loss=hard"],  # the teacher's argmax only: what greedy serving accepts
+    "loss-lk": ["train.loss=lk"],  # the sampled acceptance probability itself
+    "loss-kl+lk": ["train.loss=kl+lk"],
+    "batch-2": ["train.batch_size=2"],  # twice the optimizer steps for the same tokens
 }
 
 
