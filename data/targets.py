@@ -259,6 +259,15 @@ class Target:
         """The input embedding [V, H], read from the safetensors files alone (no model load).
 
         Raises FileNotFoundError when the target has no local safetensors holding `*embed_tokens.weight`."""
+        return self._local_tensor("embed_tokens.weight")
+
+    def output_embedding(self) -> torch.Tensor:
+        """The output embedding (lm_head) [V, H] from the safetensors files; the input embedding when tied."""
+        tied = getattr(self.config, "tie_word_embeddings", False)
+        return self._local_tensor("embed_tokens.weight" if tied else "lm_head.weight")
+
+    def _local_tensor(self, suffix: str) -> torch.Tensor:
+        """The tensor named `*<suffix>` in the target's local safetensors (the shortest, outermost name)."""
         from safetensors import safe_open
 
         folder = Path(self.path)
@@ -271,9 +280,9 @@ class Target:
                 with safe_open(str(path), "pt") as fh:
                     weight_map.update(dict.fromkeys(fh.keys(), path.name))
         # Several modules may carry one (multimodal models): take the shortest, outermost name.
-        names = sorted((k for k in weight_map if k.endswith("embed_tokens.weight")), key=len)
+        names = sorted((k for k in weight_map if k == suffix or k.endswith("." + suffix)), key=len)
         if not names:
-            raise FileNotFoundError(f"target {self.path}: no '*embed_tokens.weight' tensor in local safetensors files")
+            raise FileNotFoundError(f"target {self.path}: no '*{suffix}' tensor in local safetensors files")
         with safe_open(str(folder / weight_map[names[0]]), "pt") as fh:
             return fh.get_tensor(names[0])
 

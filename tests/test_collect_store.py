@@ -291,3 +291,24 @@ def test_bad_records_and_vocab_are_named(tmp_path, tiny_target):
     mark_done(recipe.stage_dir("vocab"))
     with pytest.raises(VocabError, match=f"{bad}: t2d marks 0 target ids but d2t has 3"):
         run_collect(recipe)
+
+
+def test_topk_store_starts_lm_head_from_the_targets_files(tmp_path, tiny_target):
+    """A top-k store keeps no lm_head rows; the trainer reads them from the target's safetensors instead."""
+    from eyas.data.features import Teacher
+    from eyas.data.targets import Target
+    from eyas.heads.eagle3 import Eagle3Config, build_head
+    from eyas.train.loop import init_lm_head_from_target
+
+    recipe = make_recipe(tmp_path, tiny_target, teacher="topk", topk=4)
+    features = run_collect(recipe)
+    teacher = Teacher.load(features)
+    assert teacher.rows is None
+    target = Target.resolve(recipe.target)
+    d2t, t2d = load_vocab(recipe.stage_dir("vocab"))
+    head = build_head(Eagle3Config.from_target(target.config, d2t.numel(), target.aux_layer_ids))
+    head.set_vocab(d2t, t2d)
+    init_lm_head_from_target(head, teacher, target)
+    model, _ = load_target(recipe.target)
+    want = model.get_output_embeddings().weight[torch.arange(d2t.numel()) + d2t]
+    assert torch.equal(head.lm_head.weight, want.float())

@@ -142,11 +142,17 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def init_lm_head_from_target(head: Eagle3Head, teacher: Teacher) -> None:
-    if teacher.rows is None:
-        raise TrainingError("head.init_lm_head_from_target needs the target's lm_head rows: "
-                            "collect with teacher=last_hidden or use mode=online")
-    head.lm_head.weight.data.copy_(teacher.rows.float().cpu())
+def init_lm_head_from_target(head: Eagle3Head, teacher: Teacher, target: Target) -> None:
+    """The target's lm_head rows of the draft vocabulary: the teacher's (last_hidden stores, online), or read
+    from the target's files (top-k stores keep no rows)."""
+    rows = teacher.rows
+    if rows is None:
+        try:
+            rows = target.output_embedding()[head.draft_target_ids().cpu()]
+        except FileNotFoundError as exc:
+            raise TrainingError(f"head.init_lm_head_from_target: {exc}; the feature store keeps no lm_head rows "
+                                "(collect.teacher=topk): set head.init_lm_head_from_target=false") from None
+    head.lm_head.weight.data.copy_(rows.float().cpu())
 
 
 def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -220,7 +226,7 @@ def setup(cfg: TrainConfig, head_cfg: HeadConfig, collect_cfg: CollectConfig, ta
                             f"embedding has {embed_weight.shape[0]} rows")
     head = build_training_head(head_cfg, target, vocab, cfg.seed)
     if head_cfg.init_lm_head_from_target:
-        init_lm_head_from_target(head, features.teacher)
+        init_lm_head_from_target(head, features.teacher, target)
 
     plan = Plan(len(features.datasets["train"]), cfg.batch_size, cfg.grad_accum, accelerator.num_processes,
                 accelerator.process_index, cfg.seed)
