@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -130,12 +131,21 @@ def max_prompt_tokens(cfg: DataConfig) -> int:
     return longest
 
 
+def interleave(lists: list[list]) -> list:
+    """The first item of every list, then the second of every list, ... (each list keeps its order)."""
+    return [x for row in itertools.zip_longest(*lists, fillvalue=_GAP) for x in row if x is not _GAP]
+
+
+_GAP = object()
+
+
 def regenerate_groups(cfg: DataConfig, target: Target, groups, out: Path,
                       tune_for_rows: Callable | None = None) -> list[tuple[CorpusStats, list[Record]]]:
     """The corpora that regenerate get the target's answers (their other chat records are dropped); the rest
-    keep their own."""
+    keep their own. The budget (regenerate_max_records, category_mix) is taken over the corpora in turn."""
     chosen = [regenerates(cfg, corpus) for corpus in cfg.corpora]
-    records = [r for (_, found), regen in zip(groups, chosen) if regen for r in found]
+    # Round-robin over the corpora, so a budget smaller than the first corpus still answers every corpus.
+    records = interleave([found for (_, found), regen in zip(groups, chosen) if regen])
     max_prompt = max_prompt_tokens(cfg)
     source = answer_source(cfg, target, out, max_prompt, tune_for_rows)
     answered = {r.record_id: r for r in regenerate(source, target.tokenizer, records,
