@@ -216,6 +216,10 @@ def main(argv=None) -> int:
                     run.best = (step + 1, val)
                     save_head(as_eyas_head(run.module), out / run.name / "best",
                               {**state.meta, "training": {"step": step + 1, "val": val, "trainer": run.name}})
+                # The log so far, so that an interrupted comparison keeps its curves.
+                (out / "compare.partial.json").write_text(json.dumps(
+                    {"steps_done": step + 1, "steps": total_steps, "ttt_steps": k,
+                     "runs": [{"run": r.name, "log": r.log} for r in runs]}))
 
     rows = []
     for run in runs:
@@ -226,6 +230,7 @@ def main(argv=None) -> int:
                                                args.prompts_file)
         rows.append(figures)
     (out / "compare.json").write_text(json.dumps({"steps": total_steps, "ttt_steps": k, "runs": rows}, indent=1))
+    (out / "compare.partial.json").unlink(missing_ok=True)
     (out / "compare.md").write_text(markdown(rows, total_steps, k))
     plot(rows, out / "compare.png")
     print(markdown(rows, total_steps, k))
