@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The quickstart: set up from scratch, then data -> vocab -> hidden states -> train -> bench -> gate -> export
-# on the real SmolLM2-135M-Instruct target and real ShareGPT conversations, all on the CPU.
+# on the real SmolLM2-135M-Instruct target and real prompts of five kinds (ShareGPT chat, summaries, HumanEval), on the CPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
