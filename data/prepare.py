@@ -131,12 +131,12 @@ def max_prompt_tokens(cfg: DataConfig) -> int:
     return longest
 
 
+_GAP = object()  # fills the shorter lists in interleave (None could be an item)
+
+
 def interleave(lists: list[list]) -> list:
     """The first item of every list, then the second of every list, ... (each list keeps its order)."""
     return [x for row in itertools.zip_longest(*lists, fillvalue=_GAP) for x in row if x is not _GAP]
-
-
-_GAP = object()
 
 
 def regenerate_groups(cfg: DataConfig, target: Target, groups, out: Path,

@@ -295,17 +295,6 @@ def test_prepare_mixes_regenerated_and_original_answers_and_holds_out_unanswered
     assert sum("Original answer a" in t for t in texts) == 0 and sum("Corpus a" in t for t in texts) == 4
     assert sum("Original answer b" in t for t in texts) == 12  # the second corpus keeps its own answers
 
-    # Both regenerated: a budget smaller than the first corpus answers each in turn.
-    recipe.data.corpora[1].regenerate = None
-    recipe.data.regenerate_max_records = 6
-    out = run_one("prepare", recipe)
-    texts = [tokenizer.decode(r["input_ids"]) for split in load_from_disk(str(out)).values() for r in split]
-    assert sum("Corpus a" in t for t in texts) == sum("Corpus b" in t for t in texts) == 3
-    assert not any("Original answer" in t for t in texts)
-    recipe.data.corpora[1].regenerate = False
-    recipe.data.regenerate_max_records = 4
-    out = run_one("prepare", recipe)
-
     prompts = [json.loads(line) for line in (out / "prompts.jsonl").read_text().splitlines()]
     questions = {p["messages"][0]["content"] for p in prompts}
     assert all(split_of(p["record_id"], 0.3) == "validation" for p in prompts)
@@ -322,3 +311,11 @@ def test_prepare_mixes_regenerated_and_original_answers_and_holds_out_unanswered
                 ids = tokenizer(r.messages[1]["content"], add_special_tokens=False)["input_ids"]
                 expected += torch.bincount(torch.tensor(ids), minlength=len(expected))
     assert torch.equal(counts, expected) and 0 < counts.sum() < 24 * 12
+
+    # Both regenerated: a budget smaller than the first corpus answers each in turn.
+    recipe.data.corpora[1].regenerate = None
+    recipe.data.regenerate_max_records = 6
+    out = run_one("prepare", recipe)
+    texts = [tokenizer.decode(r["input_ids"]) for split in load_from_disk(str(out)).values() for r in split]
+    assert sum("Corpus a" in t for t in texts) == sum("Corpus b" in t for t in texts) == 3
+    assert not any("Original answer" in t for t in texts)
