@@ -259,14 +259,14 @@ class Target:
         """The input embedding [V, H], read from the safetensors files alone (no model load).
 
         Raises FileNotFoundError when the target has no local safetensors holding `*embed_tokens.weight`."""
-        return self._local_tensor("embed_tokens.weight")
+        return self.local_tensor("embed_tokens.weight")
 
     def output_embedding(self) -> torch.Tensor:
         """The output embedding (lm_head) [V, H] from the safetensors files; the input embedding when tied."""
         tied = getattr(self.config, "tie_word_embeddings", False)
-        return self._local_tensor("embed_tokens.weight" if tied else "lm_head.weight")
+        return self.local_tensor("embed_tokens.weight" if tied else "lm_head.weight")
 
-    def _local_tensor(self, suffix: str) -> torch.Tensor:
+    def local_tensor(self, suffix: str) -> torch.Tensor:
         """The tensor named `*<suffix>` in the target's local safetensors (the shortest, outermost name)."""
         from safetensors import safe_open
 

@@ -1,6 +1,9 @@
 """`eyas`: one subcommand per stage, each taking a recipe plus `section.key=value` overrides.
 
 Each subcommand imports its stage lazily, so `eyas --help` is instant.
+
+Exit codes: 0 done (gate passed where a gate ran); 1 the release gate failed; 2 an error eyas expects (bad
+recipe, input, path or disk), told in one line; 3 a bug, with its traceback.
 """
 
 from __future__ import annotations
@@ -243,7 +246,13 @@ def main(argv: list[str] | None = None) -> int:
         # full or read-only disks are reported in one line; anything else is a bug and keeps its traceback.
         message = one_line_error(exc)
         if message is None:
-            raise
+            # A bug: its own exit code, so a script can tell it from a failed gate (1) and a bad input (2).
+            import traceback
+
+            traceback.print_exc()
+            print(f"eyas {args.command}: internal error (a bug in eyas): the traceback above says where",
+                  file=sys.stderr)
+            return 3
         print(f"eyas {args.command}: error: {message}", file=sys.stderr)
         return 2
     return int(code or 0)

@@ -51,3 +51,15 @@ def test_a_folder_given_as_a_sharegpt_file_is_one_line(tmp_path, capsys):
 def test_a_stage_before_its_upstream_names_the_missing_stage(tmp_path, capsys):
     err = one_line_error(capsys, ["vocab", str(chat_recipe(tmp_path))])
     assert "run/data/DONE.json does not exist: stage 'vocab' needs prepare first; run `eyas prepare <recipe>`" in err
+
+
+def test_a_bug_keeps_its_traceback_and_its_own_exit_code(tmp_path, capsys, monkeypatch):
+    # 3, not 1: a script must tell a crash from a failed release gate (1) and a bad input (2).
+    def crash(splits, out):
+        raise RuntimeError("an unexpected state")
+    monkeypatch.setattr("eyas.data.prepare.save_dataset", crash)
+    assert main(["prepare", str(chat_recipe(tmp_path))]) == 3
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and "RuntimeError: an unexpected state" in err
+    assert err.strip().splitlines()[-1].startswith("eyas prepare: internal error (a bug in eyas)")
+    assert not (tmp_path / "run" / "data" / "DONE.json").exists()

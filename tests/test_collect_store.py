@@ -312,3 +312,46 @@ def test_topk_store_starts_lm_head_from_the_targets_files(tmp_path, tiny_target)
     model, _ = load_target(recipe.target)
     want = model.get_output_embeddings().weight[torch.arange(d2t.numel()) + d2t]
     assert torch.equal(head.lm_head.weight, want.float())
+
+
+def test_decoder_layer_from_a_target_layer_is_that_layer_on_the_aux_stream(tiny_target):
+    """head.init_from_target_layer: fc passes the highest aux layer through and the decoder layer, whatever the
+    embedding half reads, computes what the target's layer computes on that stream (from the files alone)."""
+    from eyas.data.targets import Target
+    from eyas.heads.eagle3 import Eagle3Config, build_head
+    from eyas.train.loop import init_from_target_layer
+
+    cfg = TargetConfig(name_or_path=str(tiny_target), dtype="float32", device="cpu")
+    target = Target.resolve(cfg)
+    head = build_head(Eagle3Config.from_target(target.config, 16, target.aux_layer_ids))
+    init_from_target_layer(head, target, 5)
+    model, _ = load_target(cfg)
+    ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        streams = model(ids, output_hidden_states=True).hidden_states  # [i]: the stream entering layer i
+        aux = torch.cat([streams[i] for i in target.aux_layer_ids], dim=-1)
+        highest = streams[max(target.aux_layer_ids)]
+        assert torch.equal(head.fuse(aux), highest)
+        positions = torch.arange(9)[None]
+        q, k, v, residual = head.qkv(streams[5], torch.randn(1, 9, 32), positions)
+        causal = torch.ones(9, 9, dtype=torch.bool).tril()[None, None]
+        out = head.finish(head.attend(q, k, v, causal), residual)
+    torch.testing.assert_close(out, streams[6], rtol=1e-4, atol=1e-5)
+    assert torch.equal(head.norm.weight, model.model.norm.weight)
+
+
+def test_decoder_layer_init_refuses_a_missing_layer_and_foreign_layers(tmp_path, tiny_target):
+    from conftest import tiny_target as random_target
+    from eyas.data.targets import Target
+    from eyas.heads.eagle3 import Eagle3Config, build_head
+    from eyas.train.loop import TrainingError, init_from_target_layer
+
+    target = Target.resolve(TargetConfig(name_or_path=str(tiny_target)))
+    head = build_head(Eagle3Config.from_target(target.config, 16, target.aux_layer_ids))
+    with pytest.raises(TrainingError, match=r"head.init_from_target_layer: 8 is not a layer of the target \(0..7\)"):
+        init_from_target_layer(head, target, 8)
+    random_target("qwen3").save_pretrained(tmp_path / "qwen3")
+    qwen = Target.resolve(TargetConfig(name_or_path=str(tmp_path / "qwen3")))
+    head = build_head(Eagle3Config.from_target(qwen.config, 16, qwen.aux_layer_ids))
+    with pytest.raises(TrainingError, match="a qwen3 target's layers are not the head's"):
+        init_from_target_layer(head, qwen, 1)

@@ -155,6 +155,60 @@ def init_lm_head_from_target(head: Eagle3Head, teacher: Teacher, target: Target)
     head.lm_head.weight.data.copy_(rows.float().cpu())
 
 
+LAYERS_LIKE_THE_HEAD = {"llama", "mistral"}  # decoder layers of the head's own form (plain RMSNorm, no biases)
+
+
+def init_from_target_layer(head: Eagle3Head, target: Target, layer: int) -> None:
+    """The decoder layer from target layer `layer`, read from the target's safetensors: its attention's aux
+    half, o_proj, MLP and norms copied (the embedding half of q/k/v starts at zero), fc passing the highest
+    aux layer through unchanged, and the final norm the target's."""
+    c = head.config
+    kind = getattr(target.config, "model_type", None)
+    if kind not in LAYERS_LIKE_THE_HEAD:
+        # Others differ from the head's layer (Gemma's 1 + w norms and extra norms, Qwen3's q/k norms, biases).
+        raise TrainingError(f"head.init_from_target_layer: a {kind} target's layers are not the head's "
+                            f"(supported: {', '.join(sorted(LAYERS_LIKE_THE_HEAD))}); set it to null")
+    layers = target.config.num_hidden_layers
+    if not 0 <= layer < layers:
+        raise TrainingError(f"head.init_from_target_layer: {layer} is not a layer of the target (0..{layers - 1})")
+    m, h = head.midlayer, c.hidden_size
+    prefix = f"layers.{layer}."
+    copies = {"self_attn.o_proj": m.self_attn.o_proj, "mlp.gate_proj": m.mlp.gate_proj, "mlp.up_proj": m.mlp.up_proj,
+              "mlp.down_proj": m.mlp.down_proj, "input_layernorm": m.input_layernorm,
+              "post_attention_layernorm": m.post_attention_layernorm}
+    with torch.no_grad():
+        for name in ("q_proj", "k_proj", "v_proj"):
+            weight = read_target_tensor(target, prefix + f"self_attn.{name}.weight", (None, h))
+            dst = getattr(m.self_attn, name).weight
+            if dst.shape != (weight.shape[0], 2 * h):
+                raise TrainingError(f"head.init_from_target_layer: the head's {name} is {tuple(dst.shape)}, the "
+                                    f"target's {tuple(weight.shape)}: the head's sizes must be the target's")
+            dst.zero_()
+            dst[:, h:] = weight
+        for name, module in copies.items():
+            module.weight.copy_(read_target_tensor(target, prefix + f"{name}.weight", tuple(module.weight.shape)))
+        m.hidden_norm.weight.copy_(m.input_layernorm.weight)
+        head.norm.weight.copy_(read_target_tensor(target, "norm.weight", tuple(head.norm.weight.shape)))
+        if c.target_hidden_size != h:
+            raise TrainingError("head.init_from_target_layer: fc cannot pass an aux layer through when the head's "
+                                f"hidden size ({h}) differs from the target's ({c.target_hidden_size})")
+        highest = max(range(len(c.aux_layer_ids)), key=lambda i: c.aux_layer_ids[i])
+        head.fc.weight.zero_()
+        head.fc.weight[:, highest * h:(highest + 1) * h] = torch.eye(h)
+
+
+def read_target_tensor(target: Target, name: str, shape: tuple) -> torch.Tensor:
+    """A tensor of the target's files, as float32, checked against the shape it must fill (None: any size)."""
+    try:
+        tensor = target.local_tensor(name).float()
+    except FileNotFoundError as exc:
+        raise TrainingError(f"head.init_from_target_layer: {exc}") from None
+    if len(shape) != tensor.dim() or any(want not in (None, got) for want, got in zip(shape, tensor.shape)):
+        raise TrainingError(f"head.init_from_target_layer: the target's {name} is {tuple(tensor.shape)}, the "
+                            f"head needs {shape}: the head's sizes must be the target's")
+    return tensor
+
+
 def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
     """Linear warmup to 1, then cosine down to min_ratio at `total`."""
     if step < warmup:
@@ -227,6 +281,8 @@ def setup(cfg: TrainConfig, head_cfg: HeadConfig, collect_cfg: CollectConfig, ta
     head = build_training_head(head_cfg, target, vocab, cfg.seed)
     if head_cfg.init_lm_head_from_target:
         init_lm_head_from_target(head, features.teacher, target)
+    if head_cfg.init_from_target_layer is not None:
+        init_from_target_layer(head, target, head_cfg.init_from_target_layer)
 
     plan = Plan(len(features.datasets["train"]), cfg.batch_size, cfg.grad_accum, accelerator.num_processes,
                 accelerator.process_index, cfg.seed)
