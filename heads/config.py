@@ -16,9 +16,9 @@ class HeadConfig:
     num_key_value_heads: int | None = field(default=None, metadata={"min": 1})
     # Initialise the draft lm_head from the target's lm_head rows of the draft vocabulary.
     init_lm_head_from_target: bool = False
-    # Start the decoder layer as a copy of this target layer (its attention reading the aux half of its input),
-    # fc as a pass-through of the highest aux layer and the final norm as the target's: the head begins as
-    # that target layer applied to the stream it reads. null: random (the published EAGLE-3 initialisation).
+    # Start the decoder layer as a copy of this target layer (its q/k/v weights on both the embedding and the
+    # aux halves of its input), fc as a pass-through of the highest aux layer and the final norm as the
+    # target's. null: random (the published EAGLE-3 initialisation; measured: docs/results-quality.md).
     init_from_target_layer: int | None = field(default=None, metadata={"min": 0})
 
     def cross_check(self) -> None:

@@ -315,8 +315,8 @@ def test_topk_store_starts_lm_head_from_the_targets_files(tmp_path, tiny_target)
 
 
 def test_decoder_layer_from_a_target_layer_is_that_layer_on_the_aux_stream(tiny_target):
-    """head.init_from_target_layer: fc passes the highest aux layer through and the decoder layer, whatever the
-    embedding half reads, computes what the target's layer computes on that stream (from the files alone)."""
+    """head.init_from_target_layer: fc passes the highest aux layer through and the decoder layer, with a zero
+    embedding, computes what the target's layer computes on that stream (weights from the files alone)."""
     from eyas.data.targets import Target
     from eyas.heads.eagle3 import Eagle3Config, build_head
     from eyas.train.loop import init_from_target_layer
@@ -333,11 +333,13 @@ def test_decoder_layer_from_a_target_layer_is_that_layer_on_the_aux_stream(tiny_
         highest = streams[max(target.aux_layer_ids)]
         assert torch.equal(head.fuse(aux), highest)
         positions = torch.arange(9)[None]
-        q, k, v, residual = head.qkv(streams[5], torch.randn(1, 9, 32), positions)
+        q, k, v, residual = head.qkv(streams[5], torch.zeros(1, 9, 32), positions)
         causal = torch.ones(9, 9, dtype=torch.bool).tril()[None, None]
         out = head.finish(head.attend(q, k, v, causal), residual)
     torch.testing.assert_close(out, streams[6], rtol=1e-4, atol=1e-5)
     assert torch.equal(head.norm.weight, model.model.norm.weight)
+    q_proj = model.model.layers[5].self_attn.q_proj.weight
+    assert torch.equal(head.midlayer.self_attn.q_proj.weight, torch.cat([q_proj, q_proj], dim=1))
 
 
 def test_decoder_layer_init_refuses_a_missing_layer_and_foreign_layers(tmp_path, tiny_target):

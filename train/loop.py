@@ -159,9 +159,9 @@ LAYERS_LIKE_THE_HEAD = {"llama", "mistral"}  # decoder layers of the head's own 
 
 
 def init_from_target_layer(head: Eagle3Head, target: Target, layer: int) -> None:
-    """The decoder layer from target layer `layer`, read from the target's safetensors: its attention's aux
-    half, o_proj, MLP and norms copied (the embedding half of q/k/v starts at zero), fc passing the highest
-    aux layer through unchanged, and the final norm the target's."""
+    """The decoder layer from target layer `layer`, read from the target's safetensors: the layer's q/k/v
+    weights in both halves of the head's (embedding | aux stream) input, o_proj, MLP and norms copied, fc
+    passing the highest aux layer through unchanged, and the final norm the target's."""
     c = head.config
     kind = getattr(target.config, "model_type", None)
     if kind not in LAYERS_LIKE_THE_HEAD:
@@ -183,7 +183,7 @@ def init_from_target_layer(head: Eagle3Head, target: Target, layer: int) -> None
             if dst.shape != (weight.shape[0], 2 * h):
                 raise TrainingError(f"head.init_from_target_layer: the head's {name} is {tuple(dst.shape)}, the "
                                     f"target's {tuple(weight.shape)}: the head's sizes must be the target's")
-            dst.zero_()
+            dst[:, :h] = weight
             dst[:, h:] = weight
         for name, module in copies.items():
             module.weight.copy_(read_target_tensor(target, prefix + f"{name}.weight", tuple(module.weight.shape)))
