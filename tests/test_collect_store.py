@@ -298,7 +298,7 @@ def test_topk_store_starts_lm_head_from_the_targets_files(tmp_path, tiny_target)
     from eyas.data.features import Teacher
     from eyas.data.targets import Target
     from eyas.heads.eagle3 import Eagle3Config, build_head
-    from eyas.train.loop import init_lm_head_from_target
+    from eyas.train.head_init import init_lm_head_from_target
 
     recipe = make_recipe(tmp_path, tiny_target, teacher="topk", topk=4)
     features = run_collect(recipe)
@@ -319,7 +319,7 @@ def test_decoder_layer_from_a_target_layer_is_that_layer_on_the_aux_stream(tiny_
     embedding, computes what the target's layer computes on that stream (weights from the files alone)."""
     from eyas.data.targets import Target
     from eyas.heads.eagle3 import Eagle3Config, build_head
-    from eyas.train.loop import init_from_target_layer
+    from eyas.train.head_init import init_from_target_layer
 
     cfg = TargetConfig(name_or_path=str(tiny_target), dtype="float32", device="cpu")
     target = Target.resolve(cfg)
@@ -346,7 +346,7 @@ def test_decoder_layer_init_refuses_a_missing_layer_and_foreign_layers(tmp_path,
     from conftest import tiny_target as random_target
     from eyas.data.targets import Target
     from eyas.heads.eagle3 import Eagle3Config, build_head
-    from eyas.train.loop import TrainingError, init_from_target_layer
+    from eyas.train.head_init import TrainingError, init_from_target_layer
 
     target = Target.resolve(TargetConfig(name_or_path=str(tiny_target)))
     head = build_head(Eagle3Config.from_target(target.config, 16, target.aux_layer_ids))

@@ -82,7 +82,7 @@ def check_split_and_match(head_dir: Path, single_dir: Path) -> None:
 def initial_head(head_dir: Path):
     from eyas.data.targets import Target
     from eyas.data.vocab import load_vocab
-    from eyas.train.loop import build_training_head
+    from eyas.train.head_init import build_training_head
 
     recipe = from_dict(Recipe, json.loads(json.dumps(_recipe_of(head_dir))))
     return build_training_head(recipe.head, Target.resolve(recipe.target), load_vocab(recipe.stage_dir("vocab")),

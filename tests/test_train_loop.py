@@ -21,7 +21,8 @@ from eyas.heads.checkpoint import load_head
 from eyas.recipe import Recipe
 from eyas.stages import run_one
 from eyas.train.data import Features, TrainingError, TrainPaths
-from eyas.train.loop import build_training_head, lr_factor
+from eyas.train.head_init import build_training_head
+from eyas.train.loop import lr_factor
 from eyas.train.loss import ttt_loss
 from test_train_fixtures import fresh_run, read_metrics, reset_accelerate, shared_pipeline, write_recipe
 
