@@ -75,38 +75,35 @@ def init_from_target_layer(head: Eagle3Head, target: Target, layer: int) -> None
     if not 0 <= layer < layers:
         raise TrainingError(f"head.init_from_target_layer: {layer} is not a layer of the target (0..{layers - 1})")
     m, h = head.midlayer, c.hidden_size
+    if c.target_hidden_size != h:
+        raise TrainingError("head.init_from_target_layer: fc cannot pass an aux layer through when the head's "
+                            f"hidden size ({h}) differs from the target's ({c.target_hidden_size})")
     prefix = f"layers.{layer}."
     copies = {"self_attn.o_proj": m.self_attn.o_proj, "mlp.gate_proj": m.mlp.gate_proj, "mlp.up_proj": m.mlp.up_proj,
               "mlp.down_proj": m.mlp.down_proj, "input_layernorm": m.input_layernorm,
               "post_attention_layernorm": m.post_attention_layernorm}
     with torch.no_grad():
         for name in ("q_proj", "k_proj", "v_proj"):
-            weight = read_target_tensor(target, prefix + f"self_attn.{name}.weight", (None, h))
-            dst = getattr(m.self_attn, name).weight
-            if dst.shape != (weight.shape[0], 2 * h):
-                raise TrainingError(f"head.init_from_target_layer: the head's {name} is {tuple(dst.shape)}, the "
-                                    f"target's {tuple(weight.shape)}: the head's sizes must be the target's")
+            dst = getattr(m.self_attn, name).weight  # [out, 2H]: the same weight on each half
+            weight = read_target_tensor(target, prefix + f"self_attn.{name}.weight", (dst.shape[0], h))
             dst[:, :h] = weight
             dst[:, h:] = weight
         for name, module in copies.items():
             module.weight.copy_(read_target_tensor(target, prefix + f"{name}.weight", tuple(module.weight.shape)))
         m.hidden_norm.weight.copy_(m.input_layernorm.weight)
         head.norm.weight.copy_(read_target_tensor(target, "norm.weight", tuple(head.norm.weight.shape)))
-        if c.target_hidden_size != h:
-            raise TrainingError("head.init_from_target_layer: fc cannot pass an aux layer through when the head's "
-                                f"hidden size ({h}) differs from the target's ({c.target_hidden_size})")
         highest = max(range(len(c.aux_layer_ids)), key=lambda i: c.aux_layer_ids[i])
         head.fc.weight.zero_()
         head.fc.weight[:, highest * h:(highest + 1) * h] = torch.eye(h)
 
 
 def read_target_tensor(target: Target, name: str, shape: tuple) -> torch.Tensor:
-    """A tensor of the target's files, as float32, checked against the shape it must fill (None: any size)."""
+    """A tensor of the target's files, as float32, checked against the shape it must fill."""
     try:
         tensor = target.local_tensor(name).float()
     except FileNotFoundError as exc:
         raise TrainingError(f"head.init_from_target_layer: {exc}") from None
-    if len(shape) != tensor.dim() or any(want not in (None, got) for want, got in zip(shape, tensor.shape)):
+    if tuple(tensor.shape) != tuple(shape):
         raise TrainingError(f"head.init_from_target_layer: the target's {name} is {tuple(tensor.shape)}, the "
                             f"head needs {shape}: the head's sizes must be the target's")
     return tensor
