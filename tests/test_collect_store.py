@@ -357,3 +357,12 @@ def test_decoder_layer_init_refuses_a_missing_layer_and_foreign_layers(tmp_path,
     head = build_head(Eagle3Config.from_target(qwen.config, 16, qwen.aux_layer_ids))
     with pytest.raises(TrainingError, match="a qwen3 target's layers are not the head's"):
         init_from_target_layer(head, qwen, 1)
+    from transformers import LlamaConfig, LlamaForCausalLM  # a Llama with biases: their values would stay random
+
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                 num_attention_heads=4, num_key_value_heads=2, attention_bias=True)
+                     ).save_pretrained(tmp_path / "biased")
+    biased = Target.resolve(TargetConfig(name_or_path=str(tmp_path / "biased")))
+    head = build_head(Eagle3Config.from_target(biased.config, 16, biased.aux_layer_ids))
+    with pytest.raises(TrainingError, match="a llama target's layers are not the head's .* without biases"):
+        init_from_target_layer(head, biased, 1)

@@ -67,10 +67,11 @@ def init_from_target_layer(head: Eagle3Head, target: Target, layer: int) -> None
     passing the highest aux layer through unchanged, and the final norm the target's."""
     c = head.config
     kind = getattr(target.config, "model_type", None)
-    if kind not in LAYERS_LIKE_THE_HEAD:
+    biased = getattr(target.config, "attention_bias", False) or getattr(target.config, "mlp_bias", False)
+    if kind not in LAYERS_LIKE_THE_HEAD or biased:
         # Others differ from the head's layer (Gemma's 1 + w norms and extra norms, Qwen3's q/k norms, biases).
         raise TrainingError(f"head.init_from_target_layer: a {kind} target's layers are not the head's "
-                            f"(supported: {', '.join(sorted(LAYERS_LIKE_THE_HEAD))}); set it to null")
+                            f"(supported: {', '.join(sorted(LAYERS_LIKE_THE_HEAD))} without biases); set it to null")
     layers = target.config.num_hidden_layers
     if not 0 <= layer < layers:
         raise TrainingError(f"head.init_from_target_layer: {layer} is not a layer of the target (0..{layers - 1})")
@@ -92,7 +93,7 @@ def init_from_target_layer(head: Eagle3Head, target: Target, layer: int) -> None
             module.weight.copy_(read_target_tensor(target, prefix + f"{name}.weight", tuple(module.weight.shape)))
         m.hidden_norm.weight.copy_(m.input_layernorm.weight)
         head.norm.weight.copy_(read_target_tensor(target, "norm.weight", tuple(head.norm.weight.shape)))
-        highest = max(range(len(c.aux_layer_ids)), key=lambda i: c.aux_layer_ids[i])
+        highest = c.aux_layer_ids.index(max(c.aux_layer_ids))
         head.fc.weight.zero_()
         head.fc.weight[:, highest * h:(highest + 1) * h] = torch.eye(h)
 
