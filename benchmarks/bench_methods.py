@@ -34,6 +34,8 @@ VARIANTS = {
     "lm_head-random": ["head.init_lm_head_from_target=false"],
     "lr-2e-4": ["train.lr=2e-4"],
     "lr-1.2e-3": ["train.lr=1.2e-3"],
+    "lr-constant": ["train.lr_schedule=constant"],  # no decay after warm-up
+    "lr-linear": ["train.lr_schedule=linear"],
     "fp32": ["train.mixed_precision=fp32"],
     "bf16": ["train.mixed_precision=bf16"],
     # What each position is trained towards (train/loss.py draft_loss).

@@ -101,6 +101,15 @@ def test_lr_schedule_warms_up_then_decays_to_min_ratio():
     assert all(a >= b for a, b in zip(f[4:], f[5:])) and f[20] == pytest.approx(0.1)
 
 
+def test_lr_schedules_differ_after_warmup_only():
+    cos, lin, const = ([lr_factor(s, warmup=4, total=20, min_ratio=0.1, schedule=k) for s in range(21)]
+                       for k in ("cosine", "linear", "constant"))
+    assert cos[:5] == lin[:5] == const[:5]
+    assert lin[12] == pytest.approx(0.1 + 0.9 * 0.5) and lin[20] == pytest.approx(0.1)
+    assert cos[8] > lin[8] and cos[16] < lin[16]  # the cosine stays high longer, then falls faster
+    assert const[4:] == [1.0] * 17
+
+
 class Crash(Exception):
     pass
 

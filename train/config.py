@@ -22,6 +22,9 @@ class TrainConfig:
     weight_decay: float = field(default=0.0, metadata={"min": 0})
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95], metadata={"min": 0, "lt": 1, "len": 2})
     warmup_steps: int = field(default=50, metadata={"min": 0})
+    # After warm-up the learning rate falls to lr * min_lr_ratio at the last step: along a cosine, a straight
+    # line, or not at all (constant).
+    lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
     min_lr_ratio: float = field(default=0.1, metadata={"min": 0, "max": 1})
     grad_clip: float = field(default=0.5, metadata={"min": 0})  # 0 disables clipping
     # "auto" picks bf16 where supported (CUDA with bf16, and CPUs); fp16 only on CUDA; "no" is fp32

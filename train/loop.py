@@ -121,22 +121,25 @@ def configure_deepspeed(accelerator, cfg: TrainConfig, plan: "Plan") -> None:
 
 # ---- the head and its optimizer -------------------------------------------------------------------------------
 
-def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
-    """Linear warmup to 1, then cosine down to min_ratio at `total`."""
+def lr_factor(step: int, warmup: int, total: int, min_ratio: float, schedule: str = "cosine") -> float:
+    """Linear warmup to 1, then down to min_ratio at `total` along `schedule` (constant: stays at 1)."""
     if step < warmup:
         return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    falling = 1 - progress if schedule == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+    return min_ratio + (1 - min_ratio) * falling
 
 
 def make_optimizer(model: nn.Module, cfg: TrainConfig, total_steps: int):
-    """AdamW (no weight decay on norms and other 1-d weights) and the warmup-cosine schedule."""
+    """AdamW (no weight decay on norms and other 1-d weights) and the warm-up + decay schedule."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=tuple(cfg.betas))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, cfg.warmup_steps, total_steps, cfg.min_lr_ratio))
+        optimizer, lambda s: lr_factor(s, cfg.warmup_steps, total_steps, cfg.min_lr_ratio, cfg.lr_schedule))
     return optimizer, scheduler
 
 
