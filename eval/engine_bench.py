@@ -340,7 +340,7 @@ def engine_markdown(r: dict) -> str:
              f"{r['prompts']} prompts)", "",
              f"acceptance rate {_fmt(acc['acceptance_rate'], '.3f')}, mean acceptance length "
              f"{_fmt(acc['mean_acceptance_length'], '.3f')}, per position {per_pos} (engine counters, concurrency 1)",
-             f"break-even concurrency: {even}",
+             f"speculation stops paying at concurrency: {even} (the lowest level measured with speedup < 1)",
              f"outputs identical to the plain engine: {_pct(r['identical'])} of requests (worst level)", "",
              "| concurrency | plain tok/s | spec tok/s | speedup | TTFT p50 ms plain/spec "
              "| ITL p99 ms plain/spec | acceptance | identical |",

@@ -172,7 +172,7 @@ def format_checks(checks: list[Check], report_path: Path, head_hash: str, engine
                  "checks failed)")
     if engine:
         even = engine.get("break_even_concurrency")
-        lines.append("engine break-even concurrency: "
+        lines.append("engine: speculation stops paying at concurrency "
                      + (str(even) if even else "none measured (speculation paid at every level)"))
     return "\n".join(lines)
 

@@ -303,8 +303,8 @@ def engine_lines(engine: dict | None) -> list[str]:
             f"{engine['engine']} {engine.get('engine_version') or ''}, K={engine['num_speculative_tokens']}: "
             f"acceptance rate {fmt(engine['acceptance_rate'])} (per position "
             f"{', '.join(fmt(a, '.2f') for a in engine['acceptance_per_position'])}), mean acceptance length "
-            f"{fmt(engine['mean_acceptance_length'], '.2f')}; speedup by concurrency {speedups}; break-even "
-            f"concurrency {engine['break_even_concurrency'] or 'none measured'}; outputs identical to the engine "
+            f"{fmt(engine['mean_acceptance_length'], '.2f')}; speedup by concurrency {speedups}; stops "
+            f"paying at concurrency {engine['break_even_concurrency'] or '(none measured)'}; outputs identical to the engine "
             f"without speculation: {fmt(engine['identical'], '.0%')}; parity with the in-repo decoder: "
             f"{'yes' if engine['parity_passed'] else 'NO'}. Details: engine/engine.md, engine/parity.png.", ""]
 

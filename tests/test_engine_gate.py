@@ -36,7 +36,7 @@ def test_engine_figures_are_checked_with_the_same_bars_and_parity(tmp_path, caps
     assert checks[("itl_p99_regression", "engine (vllm)")]["value"] == pytest.approx(0.2)
     assert checks[("parity", "engine (vllm)")]["passed"] is True
     out = capsys.readouterr().out
-    assert "engine break-even concurrency: 4" in out
+    assert "engine: speculation stops paying at concurrency 4" in out
     assert json.loads((path.parent / "gate.json").read_text())["engine_break_even_concurrency"] == 4
 
 
@@ -69,5 +69,5 @@ def test_summary_has_the_engine_section(tmp_path):
     text = "\n".join(engine_lines(load_report(report_with_engine(tmp_path))["engine"]))
     assert text.startswith("## Through the serving engine")
     assert "acceptance rate 0.600" in text and "1: 1.30x, 2: 1.10x, 4: 0.80x" in text
-    assert "break-even concurrency 4" in text and "parity with the in-repo decoder: yes" in text
+    assert "stops paying at concurrency 4" in text and "parity with the in-repo decoder: yes" in text
     assert engine_lines(None) == []
