@@ -22,6 +22,10 @@ def run_all(recipe: Recipe, stages: str | None = None) -> int:
     recipe.out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(recipe.out / "recipe.resolved.yaml", dump_recipe(recipe))
     target = Target.resolve(recipe.target)  # once for every stage of this run
+    if "train" in chosen and recipe.head.init_from_target_layer is not None:
+        from eyas.train.head_init import check_layer_init  # before prepare and collect spend their time
+
+        check_layer_init(target, recipe.head.init_from_target_layer, recipe.head.hidden_size)
     timings: dict[str, float] = {}
     gate_code = None
     for name in chosen:

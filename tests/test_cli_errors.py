@@ -63,3 +63,10 @@ def test_a_bug_keeps_its_traceback_and_its_own_exit_code(tmp_path, capsys, monke
     assert "Traceback (most recent call last)" in err and "RuntimeError: an unexpected state" in err
     assert err.strip().splitlines()[-1].startswith("eyas prepare: internal error (a bug in eyas)")
     assert not (tmp_path / "run" / "data" / "DONE.json").exists()
+
+
+def test_run_refuses_a_head_init_the_target_cannot_give_before_any_stage(tmp_path, capsys):
+    # Checked on the target's config before prepare: otherwise the error comes after prepare and collect.
+    err = one_line_error(capsys, ["run", str(chat_recipe(tmp_path)), "head.init_from_target_layer=99"])
+    assert "head.init_from_target_layer: 99 is not a layer of the target (0..29)" in err
+    assert not (tmp_path / "run" / "data").exists()

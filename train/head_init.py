@@ -66,19 +66,8 @@ def init_from_target_layer(head: Eagle3Head, target: Target, layer: int) -> None
     weights in both halves of the head's (embedding | aux stream) input, o_proj, MLP and norms copied, fc
     passing the highest aux layer through unchanged, and the final norm the target's."""
     c = head.config
-    kind = getattr(target.config, "model_type", None)
-    biased = getattr(target.config, "attention_bias", False) or getattr(target.config, "mlp_bias", False)
-    if kind not in LAYERS_LIKE_THE_HEAD or biased:
-        # Others differ from the head's layer (Gemma's 1 + w norms and extra norms, Qwen3's q/k norms, biases).
-        raise TrainingError(f"head.init_from_target_layer: a {kind} target's layers are not the head's "
-                            f"(supported: {', '.join(sorted(LAYERS_LIKE_THE_HEAD))} without biases); set it to null")
-    layers = target.config.num_hidden_layers
-    if not 0 <= layer < layers:
-        raise TrainingError(f"head.init_from_target_layer: {layer} is not a layer of the target (0..{layers - 1})")
+    check_layer_init(target, layer, c.hidden_size)
     m, h = head.midlayer, c.hidden_size
-    if c.target_hidden_size != h:
-        raise TrainingError("head.init_from_target_layer: fc cannot pass an aux layer through when the head's "
-                            f"hidden size ({h}) differs from the target's ({c.target_hidden_size})")
     prefix = f"layers.{layer}."
     copies = {"self_attn.o_proj": m.self_attn.o_proj, "mlp.gate_proj": m.mlp.gate_proj, "mlp.up_proj": m.mlp.up_proj,
               "mlp.down_proj": m.mlp.down_proj, "input_layernorm": m.input_layernorm,
@@ -96,6 +85,24 @@ def init_from_target_layer(head: Eagle3Head, target: Target, layer: int) -> None
         highest = c.aux_layer_ids.index(max(c.aux_layer_ids))
         head.fc.weight.zero_()
         head.fc.weight[:, highest * h:(highest + 1) * h] = torch.eye(h)
+
+
+def check_layer_init(target: Target, layer: int, head_hidden_size: int | None) -> None:
+    """What init_from_target_layer needs of the target's config; `eyas run` calls it before its first stage,
+    so a recipe that cannot train fails before prepare and collect have run (None: the target's size)."""
+    kind = getattr(target.config, "model_type", None)
+    biased = getattr(target.config, "attention_bias", False) or getattr(target.config, "mlp_bias", False)
+    if kind not in LAYERS_LIKE_THE_HEAD or biased:
+        # Others differ from the head's layer (Gemma's 1 + w norms and extra norms, Qwen3's q/k norms, biases).
+        raise TrainingError(f"head.init_from_target_layer: a {kind} target's layers are not the head's "
+                            f"(supported: {', '.join(sorted(LAYERS_LIKE_THE_HEAD))} without biases); set it to null")
+    layers = target.config.num_hidden_layers
+    if not 0 <= layer < layers:
+        raise TrainingError(f"head.init_from_target_layer: {layer} is not a layer of the target (0..{layers - 1})")
+    target_hidden = target.config.hidden_size
+    if head_hidden_size not in (None, target_hidden):
+        raise TrainingError("head.init_from_target_layer: fc cannot pass an aux layer through when the head's "
+                            f"hidden size ({head_hidden_size}) differs from the target's ({target_hidden})")
 
 
 def read_target_tensor(target: Target, name: str, shape: tuple) -> torch.Tensor:
