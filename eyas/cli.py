@@ -237,8 +237,21 @@ def one_line_error(exc: BaseException) -> str | None:
     return None
 
 
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """argparse stops filling `overrides` at the first option, so `eyas run R --stages x train.lr=1e-3` would
+    refuse its override: key=value words left over after the options are overrides too."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    stray = [a for a in extra if a.startswith("-") or "=" not in a]
+    if stray or (extra and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+    if extra:
+        args.overrides = args.overrides + extra
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse(argv)
     try:
         code = args.fn(args)
     except Exception as exc:

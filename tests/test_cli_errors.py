@@ -70,3 +70,16 @@ def test_run_refuses_a_head_init_the_target_cannot_give_before_any_stage(tmp_pat
     err = one_line_error(capsys, ["run", str(chat_recipe(tmp_path)), "head.init_from_target_layer=99"])
     assert "head.init_from_target_layer: 99 is not a layer of the target (0..29)" in err
     assert not (tmp_path / "run" / "data").exists()
+
+
+def test_overrides_after_an_option_are_applied_and_stray_words_refused(tmp_path, capsys):
+    recipe = chat_recipe(tmp_path)
+    assert main(["run", str(recipe), "--stages", "prepare", f"output_dir={tmp_path / 'elsewhere'}"]) == 0
+    assert (tmp_path / "elsewhere" / "data" / "DONE.json").exists() and not (tmp_path / "run").exists()
+    for stray in (["--bogus"], ["notanoverride"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(["run", str(recipe), "--stages", "prepare"] + stray)
+        assert exit_.value.code == 2 and f"unrecognized arguments: {stray[0]}" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["monitor", "http://127.0.0.1:1", "train.lr=1"])  # a command without a recipe
+    assert "unrecognized arguments: train.lr=1" in capsys.readouterr().err
