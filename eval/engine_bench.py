@@ -28,6 +28,7 @@ from eyas.eval.aggregate import inter_token_latencies, percentiles
 from eyas.eval.bench import BenchPrompt
 from eyas.data.engine import EngineError, VllmServer
 from eyas.eval.metrics_text import metrics_delta, read_metrics, spec_figures
+from eyas.eval.report import stops_paying
 
 ENGINE_JSON = "engine.json"
 ENGINE_MD = "engine.md"
@@ -335,12 +336,11 @@ def _pct(v):
 def engine_markdown(r: dict) -> str:
     acc, k = r["acceptance"], r["speculative_config"]["num_speculative_tokens"]
     per_pos = " / ".join(_fmt(p, ".3f") for p in acc["per_position"] or [])
-    even = r["break_even_concurrency"] or "none measured (speculation paid at every level)"
     lines = [f"# Engine bench ({r['engine']} {r['engine_version'] or ''}, {r['config']['dtype']}, K={k}, "
              f"{r['prompts']} prompts)", "",
              f"acceptance rate {_fmt(acc['acceptance_rate'], '.3f')}, mean acceptance length "
              f"{_fmt(acc['mean_acceptance_length'], '.3f')}, per position {per_pos} (engine counters, concurrency 1)",
-             f"speculation stops paying at concurrency: {even} (the lowest level measured with speedup < 1)",
+             stops_paying(r["break_even_concurrency"]),
              f"outputs identical to the plain engine: {_pct(r['identical'])} of requests (worst level)", "",
              "| concurrency | plain tok/s | spec tok/s | speedup | TTFT p50 ms plain/spec "
              "| ITL p99 ms plain/spec | acceptance | identical |",

@@ -23,7 +23,7 @@ from pathlib import Path
 from eyas.data.atomic import atomic_write_json
 from eyas.data.packages import sha256_file
 from eyas.eval.config import GateConfig
-from eyas.eval.report import ReportError, load_report
+from eyas.eval.report import ReportError, load_report, stops_paying
 
 GATE_FILE = "gate.json"
 
@@ -171,9 +171,7 @@ def format_checks(checks: list[Check], report_path: Path, head_hash: str, engine
     lines.append(f"verdict: {'PASS' if verdict else 'FAIL'} ({sum(not c.passed for c in checks)} of {len(checks)} "
                  "checks failed)")
     if engine:
-        even = engine.get("break_even_concurrency")
-        lines.append("engine: speculation stops paying at concurrency "
-                     + (str(even) if even else "none measured (speculation paid at every level)"))
+        lines.append(f"engine: {stops_paying(engine.get('break_even_concurrency'))}")
     return "\n".join(lines)
 
 

@@ -294,6 +294,13 @@ def write_summary(report: dict, path: str | Path) -> Path:
     return atomic_write_text(path, "\n".join(lines) + "\n")
 
 
+def stops_paying(level: int | None) -> str:
+    """engine_bench's break_even_concurrency in words, for every report that prints it."""
+    if level is None:
+        return "speculation paid at every concurrency measured"
+    return f"speculation stops paying at concurrency {level} (the lowest level measured with speedup < 1)"
+
+
 def engine_lines(engine: dict | None) -> list[str]:
     """The serving engine's figures (`eyas bench --engine`), when measured; engine/engine.md has them all."""
     if not engine:
@@ -303,9 +310,9 @@ def engine_lines(engine: dict | None) -> list[str]:
             f"{engine['engine']} {engine.get('engine_version') or ''}, K={engine['num_speculative_tokens']}: "
             f"acceptance rate {fmt(engine['acceptance_rate'])} (per position "
             f"{', '.join(fmt(a, '.2f') for a in engine['acceptance_per_position'])}), mean acceptance length "
-            f"{fmt(engine['mean_acceptance_length'], '.2f')}; speedup by concurrency {speedups}; stops "
-            f"paying at concurrency {engine['break_even_concurrency'] or '(none measured)'}; outputs identical to the engine "
-            f"without speculation: {fmt(engine['identical'], '.0%')}; parity with the in-repo decoder: "
+            f"{fmt(engine['mean_acceptance_length'], '.2f')}; speedup by concurrency {speedups}; "
+            f"{stops_paying(engine['break_even_concurrency'])}; outputs identical to the engine without "
+            f"speculation: {fmt(engine['identical'], '.0%')}; parity with the in-repo decoder: "
             f"{'yes' if engine['parity_passed'] else 'NO'}. Details: engine/engine.md, engine/parity.png.", ""]
 
 

@@ -71,3 +71,5 @@ def test_summary_has_the_engine_section(tmp_path):
     assert "acceptance rate 0.600" in text and "1: 1.30x, 2: 1.10x, 4: 0.80x" in text
     assert "stops paying at concurrency 4" in text and "parity with the in-repo decoder: yes" in text
     assert engine_lines(None) == []
+    paid_everywhere = {**load_report(report_with_engine(tmp_path))["engine"], "break_even_concurrency": None}
+    assert "; speculation paid at every concurrency measured;" in "\n".join(engine_lines(paid_everywhere))
