@@ -25,8 +25,8 @@ from typing import Callable
 from eyas.data.atomic import atomic_write, atomic_write_text
 from eyas.data.config import DataConfig
 from eyas.data.corpora import CorpusError, CorpusStats, Record, dedup, read_corpus, select, split_of
-from eyas.data.regenerate import (AnswerSource, engine_answers, first_turn_prompt, prompt_lengths, regenerate,
-                                  transformers_answers)
+from eyas.data.regenerate import (AnswerSource, distinct_requests, engine_answers, first_turn_prompt, prompt_lengths,
+                                  regenerate, request_key, transformers_answers)
 from eyas.data.stage import hash_json
 from eyas.data.targets import Target, pick_device, pick_dtype
 from eyas.data.templates import Sample, parent_id, render_records
@@ -144,8 +144,10 @@ def regenerate_groups(cfg: DataConfig, target: Target, groups, out: Path,
     """The corpora that regenerate get the target's answers (their other chat records are dropped); the rest
     keep their own. The budget (regenerate_max_records, category_mix) is taken over the corpora in turn."""
     chosen = [regenerates(cfg, corpus) for corpus in cfg.corpora]
+    seen: set[str] = set()  # first requests, across the corpora
     # Round-robin over the corpora, so a budget smaller than the first corpus still answers every corpus.
-    records = interleave([found for (_, found), regen in zip(groups, chosen) if regen])
+    records = interleave([distinct_requests(found, stats, seen) for (stats, found), regen in zip(groups, chosen)
+                          if regen])
     max_prompt = max_prompt_tokens(cfg)
     source = answer_source(cfg, target, out, max_prompt, tune_for_rows)
     answered = {r.record_id: r for r in regenerate(source, target.tokenizer, records,
@@ -172,8 +174,11 @@ def held_out_prompts(read: list[Record], samples: list[Sample], records: dict[st
     """Up to `per_category` prompts per kind of traffic from the validation split, in this order: every chat
     record read (answered by the target or not: the bench needs only the prompt) whose first turn fits in
     `max_prompt` tokens, up to that turn; then documents with a real prompt (HumanEval); then the first half
-    of a validation document piece."""
+    of a validation document piece. A request that a training record starts with (another conversation with
+    the same first turn) is not held out, nor is one already taken."""
     prompts, taken = [], Counter()
+    seen = {request_key(r.messages) for r in records.values()
+            if r.is_chat and split_of(r.record_id, validation_fraction) == "train"}
 
     def take(item: dict, category: str, record_id: str) -> None:
         if taken[category] < per_category:
@@ -182,7 +187,9 @@ def held_out_prompts(read: list[Record], samples: list[Sample], records: dict[st
 
     chat = [r for r in read if r.is_chat and split_of(r.record_id, validation_fraction) == "validation"]
     for r, length in zip(chat, prompt_lengths(tokenizer, chat)):
-        if length <= max_prompt:
+        key = request_key(r.messages)
+        if length <= max_prompt and key not in seen:
+            seen.add(key)
             take({"messages": first_turn_prompt(r.messages)}, r.category, r.record_id)
     for s in sorted((s for s in samples if not records[parent_id(s.record_id)].is_chat),
                     key=lambda s: "#" in s.record_id):

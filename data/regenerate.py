@@ -35,6 +35,30 @@ def first_turn_prompt(messages: list[dict]) -> list[dict]:
     return messages[:first]
 
 
+def request_key(messages: list[dict]) -> str:
+    """The first request (the turns before the first answer), whitespace-trimmed: records with the same key
+    get the same greedy answer from the target."""
+    return json.dumps([[m["role"], m["content"].strip()] for m in first_turn_prompt(messages)], ensure_ascii=False)
+
+
+def distinct_requests(records: list[Record], stats, seen: set[str]) -> list[Record]:
+    """Chat records whose first request repeats an earlier one's are dropped (`stats.skip`) before regeneration.
+
+    Records are distinct conversations, but regeneration keeps only the first request: two with the same one
+    ("continue", "Explain quantum computing in simple terms") would become one sample twice, or the same request
+    trained on in one split and benched as held out in the other."""
+    out = []
+    for r in records:
+        if r.is_chat:
+            key = request_key(r.messages)
+            if key in seen:
+                stats.skip("repeated_request", f"{r.source}: record {r.record_id}")
+                continue
+            seen.add(key)
+        out.append(r)
+    return out
+
+
 def prompt_text(tokenizer, record: Record) -> str:
     """The text the target answers: the first turn's messages, chat template, generation prompt."""
     return render_text(tokenizer, first_turn_prompt(record.messages), add_generation_prompt=True)

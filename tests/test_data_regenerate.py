@@ -319,3 +319,61 @@ def test_prepare_mixes_regenerated_and_original_answers_and_holds_out_unanswered
     texts = [tokenizer.decode(r["input_ids"]) for split in load_from_disk(str(out)).values() for r in split]
     assert sum("Corpus a" in t for t in texts) == sum("Corpus b" in t for t in texts) == 3
     assert not any("Original answer" in t for t in texts)
+
+
+def test_a_repeated_first_request_is_answered_once_and_never_both_trained_on_and_held_out(tiny_model, tokenizer,
+                                                                                         tmp_path):
+    """Six distinct conversations that open with the same request ("continue"), in both splits: regeneration
+    keeps only the first request, so they would be one sample six times and a held-out prompt seen in training.
+    Prepare answers the request once (the rest counted as repeated_request) and holds out no request that a
+    training sample starts with."""
+    from datasets import load_from_disk
+
+    from eyas.data.config import CorpusConfig, DataConfig
+    from eyas.data.corpora import read_corpus, split_of
+    from eyas.recipe import Recipe
+    from eyas.stages import run_one
+
+    target = tmp_path / "tiny-target"
+    tiny_model.save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    items = [{"conversations": [{"from": "human", "value": f"Question {i} about owls?"},
+                                {"from": "gpt", "value": f"Original answer {i}."}]} for i in range(10)]
+    items += [{"conversations": [{"from": "human", "value": "continue" + " " * (i % 2)},
+                                 {"from": "gpt", "value": f"Part {i} of a story about lighthouses."}]} for i in range(6)]
+    (tmp_path / "chat.json").write_text(json.dumps(items))
+    corpus = CorpusConfig(kind="json", path=str(tmp_path / "chat.json"))
+    repeated = [r for r in read_corpus(corpus)[0] if r.messages[0]["content"].strip() == "continue"]
+    assert len(repeated) == 6 and {split_of(r.record_id, 0.5) for r in repeated} == {"train", "validation"}
+
+    recipe = Recipe(output_dir=str(tmp_path / "run"))
+    recipe.target.name_or_path = str(target)
+    recipe.data = DataConfig(corpora=[corpus], regenerate=True, regenerate_max_new_tokens=6, regenerate_batch_size=4,
+                             validation_fraction=0.5, min_assistant_tokens=1)
+    out = run_one("prepare", recipe)
+    splits = load_from_disk(str(out))
+    starts = {name: [tokenizer.decode(r["input_ids"]).split("<|im_start|>user\n", 1)[1].split("<|im_end|>")[0]
+                     for r in split] for name, split in splits.items()}
+    assert sum(s.strip() == "continue" for split in starts.values() for s in split) == 1
+    assert len(regen.read_answers(next(out.glob("regenerated-*.jsonl")))) == 11  # 10 questions + "continue" once
+    stats = json.loads((out / "stats.json").read_text())["corpora"][0]
+    assert stats["skipped"]["repeated_request"] == 5
+
+    held = [p["messages"][0]["content"].strip() for p in
+            map(json.loads, (out / "prompts.jsonl").read_text().splitlines())]
+    trained = {s.strip() for s in starts["train"]}
+    assert held and not trained & set(held) and len(held) == len(set(held))
+    # "continue" is held out exactly when its one sample is a validation sample
+    assert ("continue" in held) == ("continue" in {s.strip() for s in starts["validation"]})
+
+    # Original answers (no regeneration): all six conversations are samples, and "continue" is not held out
+    # because training conversations open with it.
+    recipe.data.regenerate = False
+    out = run_one("prepare", recipe)
+    texts = [tokenizer.decode(r["input_ids"]) for split in load_from_disk(str(out)).values() for r in split]
+    assert sum("story about lighthouses" in t for t in texts) == 6
+    held = [p["messages"][0]["content"].strip() for p in
+            map(json.loads, (out / "prompts.jsonl").read_text().splitlines())]
+    owls_held_out = {r.messages[0]["content"] for r in read_corpus(corpus)[0]
+                     if "owls" in r.messages[0]["content"] and split_of(r.record_id, 0.5) == "validation"}
+    assert "continue" not in held and set(held) == owls_held_out
