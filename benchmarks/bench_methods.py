@@ -94,8 +94,11 @@ def acceptance(recipe_name: str, overrides: list[str], head_dir: Path, n_prompts
             cats.append(p.category)
     overall = acceptance_figures(stats)
     by_cat = {c: acceptance_figures([s for s, sc in zip(stats, cats) if sc == c])["alpha"] for c in sorted(set(cats))}
+    # Per prompt too, so a figure can be recomputed without a prompt later found to be unfit.
+    per_prompt = [{"line": p.line, "category": c, "draft_tokens": s.draft_tokens,
+                   "accepted_tokens": s.accepted_tokens} for p, s, c in zip(prompts, stats, cats)]
     return {"k": k, "prompts": len(prompts), "alpha": overall["alpha"], "draft_tokens": overall["draft_tokens"],
-            "per_position": overall["acceptance_rate_per_position"], "by_category": by_cat}
+            "per_position": overall["acceptance_rate_per_position"], "by_category": by_cat, "per_prompt": per_prompt}
 
 
 def run_one(args) -> int:
