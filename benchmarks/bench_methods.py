@@ -43,6 +43,7 @@ VARIANTS = {
     "loss-lk": ["train.loss=lk"],  # the sampled acceptance probability itself
     "loss-kl+lk": ["train.loss=kl+lk"],
     "batch-2": ["train.batch_size=2"],  # twice the optimizer steps for the same tokens
+    "mlp-2x": ["head.intermediate_size=3072"],  # a wider head (SmolLM2's MLP is 1,536)
 }
 
 
