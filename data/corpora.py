@@ -397,14 +397,19 @@ def as_requests(records: list[Record], cfg: CorpusConfig, stats: CorpusStats) ->
     return out
 
 
-def dedup(records: list[Record], stats: CorpusStats, seen: set[str]) -> list[Record]:
+def dedup(records: list[Record], stats: CorpusStats, seen: set[str], key=lambda r: r.record_id,
+          reason: str = "duplicate") -> list[Record]:
+    """Records whose `key` is in `seen` are skipped (counted as `reason`); the others add theirs. A key of None
+    always passes."""
     out = []
     for r in records:
-        if r.record_id in seen:
-            stats.skip("duplicate", f"{r.source}: record {r.record_id}")
-        else:
-            seen.add(r.record_id)
-            out.append(r)
+        k = key(r)
+        if k is not None and k in seen:
+            stats.skip(reason, f"{r.source}: record {r.record_id}")
+            continue
+        if k is not None:
+            seen.add(k)
+        out.append(r)
     return out
 
 

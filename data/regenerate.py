@@ -22,7 +22,7 @@ from typing import Callable, Iterator
 import torch
 from tqdm import tqdm
 
-from eyas.data.corpora import Record
+from eyas.data.corpora import Record, dedup
 from eyas.data.templates import render_text
 
 # todo records -> lists of {"record_id", "answer", "finish"} as they are generated
@@ -47,16 +47,8 @@ def distinct_requests(records: list[Record], stats, seen: set[str]) -> list[Reco
     Records are distinct conversations, but regeneration keeps only the first request: two with the same one
     ("continue", "Explain quantum computing in simple terms") would become one sample twice, or the same request
     trained on in one split and benched as held out in the other."""
-    out = []
-    for r in records:
-        if r.is_chat:
-            key = request_key(r.messages)
-            if key in seen:
-                stats.skip("repeated_request", f"{r.source}: record {r.record_id}")
-                continue
-            seen.add(key)
-        out.append(r)
-    return out
+    return dedup(records, stats, seen, key=lambda r: request_key(r.messages) if r.is_chat else None,
+                 reason="repeated_request")
 
 
 def prompt_text(tokenizer, record: Record) -> str:
