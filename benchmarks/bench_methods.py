@@ -14,6 +14,8 @@ prompts (data/prompts.jsonl, kinds of traffic mixed as the bench picks them) wit
 K = the chain length the bench measures alpha at, greedy, fp32: acceptance (accepted/drafted, vLLM's definition), per
 position and per category, and the validation figures of training (accuracy per TTT step, tau_sim).
 Acceptance needs no clock, so these figures do not depend on the machine's load; the training seconds do.
+method.json also records what the head trained on (`data`: answer tokens, samples, passes over them), which
+benchmarks/plot_data_curve.py draws as the data curve.
 """
 
 from __future__ import annotations
@@ -102,9 +104,25 @@ def acceptance(recipe_name: str, overrides: list[str], head_dir: Path, n_prompts
             "per_position": overall["acceptance_rate_per_position"], "by_category": by_cat, "per_prompt": per_prompt}
 
 
+def data_figures(recipe_name: str, overrides: list[str], steps: int, num_processes: int) -> dict:
+    """What the head trained on: the train split's samples and answer (loss-masked) tokens, and the passes over
+    them its steps made; benchmarks/plot_data_curve.py draws acceptance against these."""
+    from eyas.recipe import load_recipe
+
+    recipe = load_recipe(recipe_name, overrides)
+    train_split = json.loads((recipe.stage_dir("data") / "stats.json").read_text())["splits"]["train"]
+    collected = json.loads((recipe.stage_dir("features") / "index.json").read_text())["splits"]["train"]
+    sequences = steps * recipe.train.batch_size * recipe.train.grad_accum * num_processes
+    # collect.max_records can store fewer samples than prepare wrote: the passes are over what was stored.
+    return {"train_samples": train_split["samples"], "answer_tokens": train_split["masked_tokens"],
+            "collected_samples": collected["num_samples"], "passes": round(sequences / collected["num_samples"], 2)}
+
+
 def run_one(args) -> int:
     head_dir = Path(args.out) / args.one
     figures = train_variant(args.recipe, args.overrides + VARIANTS[args.one], head_dir)
+    figures["data"] = data_figures(args.recipe, args.overrides + VARIANTS[args.one], figures["steps"],
+                                   figures["num_processes"])
     figures["acceptance"] = acceptance(args.recipe, args.overrides, head_dir / "best", args.prompts, args.prompts_file)
     (head_dir / "method.json").write_text(json.dumps({"variant": args.one, "overrides": VARIANTS[args.one], **figures},
                                                      indent=1))
