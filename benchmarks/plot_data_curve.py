@@ -27,13 +27,14 @@ def load_point(path: Path) -> dict:
         result = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise SystemExit(f"{path}: not a readable method.json ({e})") from None
-    for field, inner in (("data", ("answer_tokens", "passes")), ("acceptance", ("alpha",))):
+    for field, inner, why in (("data", ("answer_tokens", "passes"),
+                               "written by bench_methods before it recorded the data it trained on; rerun the variant"),
+                              ("acceptance", ("alpha",), "not a finished bench_methods result")):
         missing = [k for k in inner if k not in result.get(field, {})]
         if missing:
-            raise SystemExit(f"{path}: no {field}.{missing[0]} (written by bench_methods before it recorded the "
-                             f"data it trained on; rerun the variant)")
+            raise SystemExit(f"{path}: no {field}.{missing[0]} ({why})")
     return {"label": result.get("variant", path.parent.name), "tokens": result["data"]["answer_tokens"],
-            "passes": result["data"]["passes"], "alpha": result["acceptance"]["alpha"], "file": str(path)}
+            "passes": result["data"]["passes"], "alpha": result["acceptance"]["alpha"]}
 
 
 def fit_log_linear(tokens: list[float], alphas: list[float]) -> tuple[float, float]:
@@ -120,7 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("data-curve.png"))
     ap.add_argument("--targets", default="", help="acceptance bars to draw and extrapolate to, e.g. 0.25,0.40")
     args = ap.parse_args(argv)
-    targets = [float(t) for t in args.targets.split(",") if t]
+    try:
+        targets = [float(t) for t in args.targets.split(",") if t]
+    except ValueError:
+        ap.error(f"--targets {args.targets!r}: acceptance bars are numbers separated by commas, e.g. 0.25,0.40")
     groups = curves([load_point(p) for p in args.results])
     print(report(groups, targets))
     print(f"wrote {plot(groups, targets, args.out)}")

@@ -63,7 +63,19 @@ def test_result_without_data_is_named(tmp_path):
     old.write_text(json.dumps({"variant": "baseline", "acceptance": {"alpha": 0.12}}))
     with pytest.raises(SystemExit, match=rf"{old}: no data.answer_tokens"):
         plot_data_curve.load_point(old)
+    unfinished = write_result(tmp_path / "unfinished" / "method.json", "baseline", 26000, 5.0, 0.1)
+    unfinished.write_text(json.dumps({"data": {"answer_tokens": 26000, "passes": 5.0}}))
+    with pytest.raises(SystemExit, match=rf"{unfinished}: no acceptance.alpha \(not a finished"):
+        plot_data_curve.load_point(unfinished)
     broken = tmp_path / "broken.json"
     broken.write_text("{")
     with pytest.raises(SystemExit, match=rf"{broken}: not a readable method.json"):
         plot_data_curve.load_point(broken)
+
+
+def test_bad_targets_value_is_one_line(tmp_path, capsys):
+    result = write_result(tmp_path / "r" / "method.json", "baseline", 26000, 5.0, 0.12)
+    with pytest.raises(SystemExit):
+        plot_data_curve.main([str(result), "--out", str(tmp_path / "c.png"), "--targets", "0.25,high"])
+    assert "--targets '0.25,high': acceptance bars are numbers" in capsys.readouterr().err
+    assert not (tmp_path / "c.png").exists()
