@@ -46,6 +46,9 @@ VARIANTS = {
     "loss-kl+lk": ["train.loss=kl+lk"],
     "batch-2": ["train.batch_size=2"],  # twice the optimizer steps for the same tokens
     "mlp-2x": ["head.intermediate_size=3072"],  # a wider head (SmolLM2's MLP is 1,536)
+    # The head's normed output regressed onto the target's final hidden state beside the KL (EAGLE-1's feature loss).
+    "hidden-0.1": ["train.hidden_loss_weight=0.1"],
+    "hidden-1": ["train.hidden_loss_weight=1.0"],
 }
 
 

@@ -199,3 +199,12 @@ def test_features_of_another_draft_vocabulary_of_the_same_size_are_refused(pipel
     with pytest.raises(TrainingError, match=r"teacher\.safetensors: field 'd2t' differs from the vocab stage's "
                                             r"\(\d+ of \d+ draft ids map elsewhere\)"):
         train_in_process(recipe)
+
+
+def test_hidden_loss_with_a_topk_store_is_refused_in_one_line(pipeline, tmp_path):
+    recipe = fresh_run(pipeline, tmp_path)
+    recipe["collect"] = dict(recipe.get("collect", {}), teacher="topk")
+    recipe["train"] = dict(recipe["train"], hidden_loss_weight=1.0)
+    with pytest.raises(TrainingError, match=r"train\.hidden_loss_weight=1\.0 needs the target's final hidden states, "
+                                            r"and collect\.teacher=topk stores none"):
+        train_in_process(recipe)

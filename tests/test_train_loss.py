@@ -139,3 +139,39 @@ def test_every_loss_trains_through_ttt(parts, loss):
     grads = [p.grad for p in head.parameters() if p.grad is not None]
     assert torch.isfinite(out.loss) and grads and all(torch.isfinite(g).all() for g in grads)
     head.zero_grad()
+
+
+def test_hidden_regression_term_is_the_normed_output_against_the_next_positions_final_hidden(parts):
+    """train.hidden_loss_weight: at TTT step 0, position t's normed output is compared with the target's final
+    hidden state at t+1 (the position whose distribution it is trained towards), and nowhere else."""
+    from eyas.heads.eagle3 import embed
+    from eyas.train.loss import hidden_regression
+
+    model, head, batch, teacher = parts
+    w = model.get_input_embeddings().weight
+    g = torch.Generator().manual_seed(5)
+    final = torch.randn(*batch["input_ids"].shape, head.config.hidden_size, generator=g)
+    batch = dict(batch, teacher_hidden=final)
+    plain = ttt_loss(head, w, batch, teacher, ttt_steps=1)
+    with_hidden = ttt_loss(head, w, batch, teacher, ttt_steps=1, hidden_weight=0.5)
+
+    ids = batch["input_ids"]
+    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    _, out = head(batch["aux"], embed(w, torch.cat([ids[:, 1:], ids[:, :1] * 0], 1)), positions)
+    b, t = step_valid(batch, 0).nonzero(as_tuple=True)
+    by_hand = hidden_regression(head, out[b, t], final[b, t + 1]).mean()
+    torch.testing.assert_close(with_hidden.loss - plain.loss, 0.5 * by_hand, atol=1e-5, rtol=1e-5)
+    shifted = hidden_regression(head, out[b, t], final[b, t]).mean()
+    assert (by_hand - shifted).abs() > 1e-3  # the shift is tested: the same position would give another value
+    # Zero where the normed output is the target's final hidden state, and it trains every part of the head.
+    assert hidden_regression(head, out[b, t], head.norm(out[b, t])).abs().max() < 1e-6
+    head.zero_grad()
+    ttt_loss(head, w, batch, teacher, ttt_steps=2, hidden_weight=1.0).loss.backward()
+    assert head.norm.weight.grad.abs().sum() > 0 and head.fc.weight.grad.abs().sum() > 0
+    head.zero_grad()
+
+
+def test_hidden_regression_needs_the_final_hidden_states(parts):
+    model, head, batch, teacher = parts
+    with pytest.raises(KeyError, match="hidden_loss_weight needs the target's final hidden states"):
+        ttt_loss(head, model.get_input_embeddings().weight, batch, teacher, ttt_steps=1, hidden_weight=1.0)

@@ -14,6 +14,9 @@ class TrainConfig:
     # What each position is trained towards (train/loss.py draft_loss): kl (the teacher's distribution),
     # hard (its argmax), lk (the acceptance probability, -log sum min(p, q)) or kl+lk.
     loss: Literal["kl", "hard", "lk", "kl+lk"] = "kl"
+    # Weight of a second term at every trained position: the head's normed output against the target's final
+    # normed hidden state (train/loss.py hidden_regression; needs collect.teacher=last_hidden). 0 = off.
+    hidden_loss_weight: float = field(default=0.0, metadata={"min": 0})
     epochs: float = field(default=1.0, metadata={"gt": 0})
     max_steps: int | None = field(default=None, metadata={"min": 1})
     batch_size: int = field(default=1, metadata={"min": 1})

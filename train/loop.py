@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from eyas.data.config import CollectConfig
 from eyas.data.stage import done_hash, hash_json
-from eyas.data.targets import Target
+from eyas.data.targets import Target, cpu_bf16_is_fast
 from eyas.data.vocab import load_vocab
 from eyas.heads.checkpoint import save_head
 from eyas.heads.config import HeadConfig
@@ -45,16 +45,19 @@ METRICS = "metrics.jsonl"
 class TTTModel(nn.Module):
     """The head plus its loss in forward(), so DDP/FSDP/DeepSpeed see one module call per micro-batch."""
 
-    def __init__(self, head: Eagle3Head, ttt_steps: int, step_weight_decay: float, loss: str = "kl"):
+    def __init__(self, head: Eagle3Head, ttt_steps: int, step_weight_decay: float, loss: str = "kl",
+                 hidden_weight: float = 0.0):
         super().__init__()
         self.head = head
         self.ttt_steps = ttt_steps
         self.step_weight_decay = step_weight_decay
         self.loss = loss
+        self.hidden_weight = hidden_weight
 
     def forward(self, batch: dict, teacher, embed_weight: torch.Tensor):
         batch = dict(batch, aux=batch["aux"].to(self.head.fc.weight.dtype))
-        out = ttt_loss(self.head, embed_weight, batch, teacher, self.ttt_steps, self.step_weight_decay, self.loss)
+        out = ttt_loss(self.head, embed_weight, batch, teacher, self.ttt_steps, self.step_weight_decay, self.loss,
+                       self.hidden_weight)
         return out.loss, out.counters()
 
 
@@ -74,22 +77,6 @@ def resolve_mixed_precision(name: str) -> str:
     if torch.cuda.is_available():
         return "bf16" if torch.cuda.is_bf16_supported() else "no"
     return "bf16" if cpu_bf16_is_fast() else "no"
-
-
-def cpu_bf16_is_fast(n: int = 256) -> bool:
-    """Whether this CPU multiplies bf16 at least as fast as fp32. With AMX/AVX512-BF16 it is ~2x faster; without,
-    oneDNN emulates it (measured 0.9 vs 51 GFLOP/s fp32 on a 2-core machine), so autocast would be a 50x loss."""
-    def best(dtype) -> float:
-        a = torch.randn(n, n).to(dtype)
-        a @ a
-        times = []
-        for _ in range(3):
-            t = time.perf_counter()
-            a @ a
-            times.append(time.perf_counter() - t)
-        return min(times)
-
-    return best(torch.bfloat16) <= best(torch.float32)
 
 
 def make_accelerator(cfg: TrainConfig, head_dir: Path):
@@ -187,6 +174,10 @@ def setup(cfg: TrainConfig, head_cfg: HeadConfig, collect_cfg: CollectConfig, ta
         print(f"[train] {accelerator.num_processes} process(es), {accelerator.distributed_type}, "
               f"mixed precision {accelerator.mixed_precision}, device {device}, collect mode {collect_cfg.mode}",
               flush=True)
+    if cfg.hidden_loss_weight > 0 and collect_cfg.teacher != "last_hidden":
+        raise TrainingError(f"train.hidden_loss_weight={cfg.hidden_loss_weight} needs the target's final hidden "
+                            f"states, and collect.teacher={collect_cfg.teacher} stores none: set "
+                            "collect.teacher=last_hidden or train.hidden_loss_weight=0")
     vocab = load_vocab(paths.vocab)
     features = Features(collect_cfg, target, paths, vocab, device)
     embed_weight = target.input_embedding().to(device)
@@ -198,7 +189,7 @@ def setup(cfg: TrainConfig, head_cfg: HeadConfig, collect_cfg: CollectConfig, ta
     plan = Plan(len(features.datasets["train"]), cfg.batch_size, cfg.grad_accum, accelerator.num_processes,
                 accelerator.process_index, cfg.seed)
     total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * plan.steps_per_epoch))
-    model = TTTModel(head, cfg.ttt_steps, cfg.step_weight_decay, cfg.loss)
+    model = TTTModel(head, cfg.ttt_steps, cfg.step_weight_decay, cfg.loss, cfg.hidden_loss_weight)
     optimizer, scheduler = make_optimizer(model, cfg, total_steps)
     configure_deepspeed(accelerator, cfg, plan)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)

@@ -154,12 +154,29 @@ def shift_right(x: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat([torch.zeros_like(x[:, :n]), x[:, : x.shape[1] - n]], dim=1)
 
 
+def hidden_regression(head: Eagle3Head, hidden: torch.Tensor, teacher_hidden: torch.Tensor) -> torch.Tensor:
+    """Per-row squared error of the head's normed output against the target's final normed hidden state,
+    relative to the latter's squared norm (so the term's scale is the same for every target).
+
+    The draft's logits are lm_head(norm(h)) and the teacher's are its lm_head rows times that final hidden, so
+    matching it matches every logit at once: a dense signal of H numbers per token where the distribution
+    mostly speaks through its top tokens (EAGLE-1 trained its features this way)."""
+    ref = teacher_hidden.float()
+    return (head.norm(hidden).float() - ref).pow(2).sum(-1) / ref.pow(2).sum(-1).clamp_min(1e-6)
+
+
 def ttt_loss(head: Eagle3Head, embed_weight: torch.Tensor, batch: dict, teacher,
-             ttt_steps: int = 7, step_weight_decay: float = 0.8, loss: str = "kl") -> TTTResult:
+             ttt_steps: int = 7, step_weight_decay: float = 0.8, loss: str = "kl",
+             hidden_weight: float = 0.0) -> TTTResult:
     """The TTT loss of one batch (keys: input_ids, loss_mask, attention_mask, aux, target_in_draft).
 
     `teacher` has logits_at(b, t) -> [N, Vd]: the target's logits over the draft vocab at those positions.
+    `hidden_weight` > 0 adds that times `hidden_regression` at every trained position (needs the batch's
+    teacher_hidden: a last_hidden feature store or online features).
     """
+    if hidden_weight > 0 and "teacher_hidden" not in batch:
+        raise KeyError("train.hidden_loss_weight needs the target's final hidden states (collect.teacher="
+                       "last_hidden); this batch has the top-k teacher only")
     ids, attn = batch["input_ids"], batch["attention_mask"].bool()
     bsz, seq = ids.shape
     device = ids.device
@@ -188,6 +205,8 @@ def ttt_loss(head: Eagle3Head, embed_weight: torch.Tensor, batch: dict, teacher,
         rows = row_of[b, t + k + 1]
         target_argmax = argmax_all[rows]
         ce = draft_loss(loss, draft_logits, probs_all[rows], target_argmax)
+        if hidden_weight > 0:
+            ce = ce + hidden_weight * hidden_regression(head, hidden[b, t], batch["teacher_hidden"][b, t + k + 1])
         losses.append(ce.sum() / max(ce.numel(), 1))
         hit = draft_logits.argmax(-1) == target_argmax
         correct.append(hit.sum())
