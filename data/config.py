@@ -142,3 +142,7 @@ class CollectConfig:
     max_records: int | None = field(default=None, metadata={"min": 1})
     # Positions per chunk when computing full-vocabulary logits for the argmax (bounds memory).
     logits_chunk: int = field(default=1024, metadata={"min": 1})
+    # The target's matmuls while it computes features (offline and online): fp32 as loaded, bf16 under autocast,
+    # or auto (bf16 where the device computes it fast: CUDA, CPUs with AMX / AVX512-BF16). bf16 features round
+    # differently from the fp32 target the head drafts for (docs/results-quality.md measures what that costs).
+    mixed_precision: Literal["auto", "fp32", "bf16"] = "fp32"

@@ -40,7 +40,7 @@ from safetensors import safe_open
 from eyas.data.config import CollectConfig
 from eyas.data.model_config import text_config
 from eyas.data.packages import sha256_file
-from eyas.data.targets import aux_layer_ids_for, logits_from_final_hidden, target_features
+from eyas.data.targets import aux_layer_ids_for, bf16_autocast, logits_from_final_hidden, target_features
 from eyas.data.vocab import draft_to_target
 
 FORMAT = "eyas-features/1"
@@ -182,6 +182,7 @@ class OnlineFeatures:
         self.t2d = t2d.to(self.device)
         self.d2t = d2t
         self.softcap = getattr(text_config(model.config), "final_logit_softcapping", None)
+        self.bf16 = bf16_autocast(cfg.mixed_precision, self.device)
 
     @property
     def draft_vocab_size(self) -> int:
@@ -201,9 +202,10 @@ class OnlineFeatures:
         """Per-position fields in storage form, [B,T,...] on the target's device (padding not zeroed)."""
         ids = batch["input_ids"].to(self.device)
         mask = batch["attention_mask"].to(self.device).long()
-        aux, final = target_features(self.model, ids, self.layer_ids, attention_mask=mask)
-        out = encode_aux(aux.to(self.device), self.cfg)
-        out.update(self.teacher_fields(final))
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            aux, final = target_features(self.model, ids, self.layer_ids, attention_mask=mask)
+            out = encode_aux(aux.to(self.device), self.cfg)
+            out.update(self.teacher_fields(final))
         return out
 
     def teacher_fields(self, final: torch.Tensor) -> dict[str, torch.Tensor]:

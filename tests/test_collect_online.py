@@ -104,3 +104,29 @@ def test_real_target_online_equals_offline_and_teacher_matches_lm_head(tmp_path)
     # bf16 hidden: logits differ by a small fraction of their scale; the argmax agrees nearly everywhere.
     assert (dense - want).abs().max() < 0.05 * want.abs().max()
     assert (dense.argmax(-1) == want.argmax(-1)).float().mean() > 0.97
+
+
+def test_bf16_collection_runs_the_target_under_autocast_close_to_fp32():
+    """collect.mixed_precision=bf16: the real target's features come from bf16 matmuls (so they differ from the
+    fp32 ones) and stay within bf16's rounding of them; the teacher's argmax mostly agrees."""
+    from eyas.data.targets import bf16_autocast, cpu_bf16_is_fast
+
+    cpu = torch.device("cpu")
+    assert bf16_autocast("bf16", cpu) and not bf16_autocast("fp32", cpu)
+    assert bf16_autocast("auto", cpu) == cpu_bf16_is_fast()
+    model, tok = load_target(TargetConfig())
+    ids = [tok.apply_chat_template(chat, tokenize=False) for chat in CHATS]
+    rows = [{"input_ids": torch.tensor(tok(text, add_special_tokens=False)["input_ids"]),
+             "loss_mask": torch.ones(len(tok(text, add_special_tokens=False)["input_ids"]), dtype=torch.long)}
+            for text in ids]
+    batch = collate(rows)
+    vocab = (torch.zeros(2000, dtype=torch.long), torch.arange(model.config.vocab_size) < 2000)
+    fp32 = OnlineFeatures(model, vocab, CollectConfig(mixed_precision="fp32"))(batch)
+    bf16 = OnlineFeatures(model, vocab, CollectConfig(mixed_precision="bf16"))(batch)
+    real = batch["attention_mask"].bool()
+    a, b = fp32["aux"][real].float(), bf16["aux"][real].float()
+    assert not torch.equal(a, b)
+    assert ((a - b).norm(dim=-1) / a.norm(dim=-1)).max() < 0.1
+    teacher = OnlineFeatures(model, vocab, CollectConfig()).teacher()
+    agree = (teacher.draft_logits(fp32).argmax(-1) == teacher.draft_logits(bf16).argmax(-1))[real].float().mean()
+    assert agree > 0.9
