@@ -23,7 +23,11 @@ GPU_SHAPES = (
     {"mode": "tree", "depth": 5, "topk": 4, "budget": 16},
     {"mode": "tree", "depth": 6, "topk": 8, "budget": 32},
 )
+# On CPUs where a 2-row matmul costs what a 1-row one does (the layout table of eval/linear_kernels.py), one
+# draft token or two candidates for it are verified almost for free: the shapes that pay for a weak head.
 CPU_SHAPES = (
+    {"mode": "chain", "num_speculative_tokens": 1},
+    {"mode": "tree", "depth": 1, "topk": 2, "budget": 2},
     {"mode": "chain", "num_speculative_tokens": 2},
     {"mode": "chain", "num_speculative_tokens": 3},
     {"mode": "chain", "num_speculative_tokens": 4},

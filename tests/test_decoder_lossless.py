@@ -106,6 +106,23 @@ def test_greedy_is_target_greedy_on_tiny_targets(fitted, tokenizer, shape):
     assert want.tokens == hf[0, ids.shape[1]:].tolist(), f"{arch}: plain decoder differs from HF generate"
 
 
+@pytest.mark.parametrize("shape", [dict(mode="chain", num_speculative_tokens=1),
+                                   dict(mode="tree", depth=1, topk=2, budget=2)])
+def test_one_token_shapes_of_cpu_autotune_are_lossless(fitted, tokenizer, shape):
+    """The cheapest shapes autotune tries on a CPU: one draft token, or two candidates for it."""
+    arch, model, head, fitted_prompts = fitted
+    cfg = DecoderConfig(max_new_tokens=32, **shape)
+    plain, spec = PlainDecoder(model, tokenizer, cfg), SpeculativeDecoder(model, head, tokenizer, cfg)
+    accepted = 0
+    for ids in fitted_prompts + random_prompts(2, length=5, seed=7):
+        want, got = plain.generate(ids), spec.generate(ids)
+        assert got.tokens == want.tokens, f"{arch} {shape}: speculative output differs from plain greedy"
+        assert len(got.accepted_per_position) == 1
+        assert len(got.tokens) <= 1 + got.accepted_tokens + (got.target_forwards - 1)
+        accepted += got.accepted_tokens
+    assert accepted > 0, f"{arch} {shape}: no draft accepted; the test proves nothing"
+
+
 def test_head_cache_holds_target_features_of_accepted_tokens(fitted, tokenizer):
     """After decoding, the head k/v of every accepted position equals a fresh pass over target features."""
     _, model, head, prompts = fitted
