@@ -115,11 +115,9 @@ def test_bf16_collection_runs_the_target_under_autocast_close_to_fp32():
     assert bf16_autocast("bf16", cpu) and not bf16_autocast("fp32", cpu)
     assert bf16_autocast("auto", cpu) == cpu_bf16_is_fast()
     model, tok = load_target(TargetConfig())
-    ids = [tok.apply_chat_template(chat, tokenize=False) for chat in CHATS]
-    rows = [{"input_ids": torch.tensor(tok(text, add_special_tokens=False)["input_ids"]),
-             "loss_mask": torch.ones(len(tok(text, add_special_tokens=False)["input_ids"]), dtype=torch.long)}
-            for text in ids]
-    batch = collate(rows)
+    texts = [tok.apply_chat_template(chat, tokenize=False) for chat in CHATS]
+    ids = [torch.tensor(tok(text, add_special_tokens=False)["input_ids"]) for text in texts]
+    batch = collate([{"input_ids": x, "loss_mask": torch.ones_like(x)} for x in ids])
     vocab = (torch.zeros(2000, dtype=torch.long), torch.arange(model.config.vocab_size) < 2000)
     fp32 = OnlineFeatures(model, vocab, CollectConfig(mixed_precision="fp32"))(batch)
     bf16 = OnlineFeatures(model, vocab, CollectConfig(mixed_precision="bf16"))(batch)

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from eyas.data.config import CollectConfig
 from eyas.data.stage import done_hash, hash_json
-from eyas.data.targets import Target, cpu_bf16_is_fast
+from eyas.data.targets import Target, bf16_autocast, pick_device
 from eyas.data.vocab import load_vocab
 from eyas.heads.checkpoint import save_head
 from eyas.heads.config import HeadConfig
@@ -74,9 +74,7 @@ def resolve_mixed_precision(name: str) -> str:
         raise TrainingError("train.mixed_precision=fp16 needs CUDA; use bf16 or fp32 on CPU")
     if name != "auto":
         return name
-    if torch.cuda.is_available():
-        return "bf16" if torch.cuda.is_bf16_supported() else "no"
-    return "bf16" if cpu_bf16_is_fast() else "no"
+    return "bf16" if bf16_autocast("auto", pick_device("auto")) else "no"
 
 
 def make_accelerator(cfg: TrainConfig, head_dir: Path):
